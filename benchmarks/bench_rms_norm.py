@@ -1,0 +1,11 @@
+"""Benchmarks torch_ln.rms_norm against torch eager, torch.compile, Liger, Apex and QuACK.
+
+Usage: python benchmarks/bench_rms_norm.py [--device cpu|cuda] [--quick] [--help for all flags]
+"""
+
+import sys
+
+from torch_ln.benchmark import cli
+
+if __name__ == "__main__":
+    sys.exit(cli("rms_norm"))

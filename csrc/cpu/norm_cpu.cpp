@@ -1,0 +1,394 @@
+// CPU kernels of LayerNorm and RMSNorm: one template over NormKind, vectorized with at::vec, parallel over rows.
+//
+// Reproducibility: a row's statistics, output and input gradient depend only on that row and D (every reduction
+// runs in an order fixed by element index), and the weight/bias gradients are summed over a fixed number of row
+// chunks in a fixed order, so results are bitwise identical run to run, whatever the batch or thread count.
+#include "norm_cpu.h"
+
+#include "../dispatch.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+// at::vec selects its SIMD implementation from CPU_CAPABILITY_* macros that only torch's own build defines; without
+// them Vectorized is a plain array loop. Unless the build picked a capability, compile the kernels below for
+// AVX2+FMA (every x86-64 CPU since 2013-2015) and check the CPU at run time. The private namespace name keeps these
+// inline at::vec functions apart from libtorch's; sleef.h declares its AVX2 functions only under the ISA macros,
+// which the target pragma does not define.
+#if !defined(CPU_CAPABILITY) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TORCH_LN_TARGET_AVX2 1
+#define CPU_CAPABILITY torch_ln_avx2
+#define CPU_CAPABILITY_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#if !defined(__AVX2__)
+#define TORCH_LN_DEFINED_ISA_MACROS
+#define __AVX__ 1
+#define __AVX2__ 1
+#endif
+#endif
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#ifdef TORCH_LN_DEFINED_ISA_MACROS
+#undef __AVX__
+#undef __AVX2__
+#endif
+
+namespace torch_ln {
+namespace {
+
+using at::vec::Vectorized;
+
+// A step is kU vectors of acc_t: kU independent accumulators hide the add latency in the row reductions.
+constexpr int kU = 4;
+template <typename A>
+constexpr int64_t kStep = kU * Vectorized<A>::size();
+template <typename A>
+using Group = std::array<Vectorized<A>, kU>;
+
+// Below this many steps a row segment is summed in one loop, above it in halves (see sum_steps).
+constexpr int64_t kLeafSteps = 16;
+
+// GCC leaves some at::vec helpers and per-step lambdas out of line (a call and register spills per vector);
+// flattening the per-row functions inlines everything into their loops.
+#define TORCH_LN_FLATTEN __attribute__((flatten))
+
+// Elements [0, n) of one step (n <= kStep) at p, as acc_t vectors; lanes past n are zero. Unaligned loads, so
+// the arithmetic never depends on where a row sits in memory.
+template <typename A, typename S>
+Group<A> load_group(const S* p, int64_t n) {
+  using VA = Vectorized<A>;
+  constexpr int64_t V = VA::size();
+  Group<A> g;
+  if constexpr (std::is_same_v<S, A>) {
+    for (const auto i : c10::irange(kU)) g[i] = VA::loadu(p + i * V, std::clamp<int64_t>(n - i * V, 0, V));
+  } else {  // half/bfloat16 to float
+    if (n < kStep<A>) {
+      S padded[kStep<A>] = {};
+      std::copy_n(p, n, padded);
+      return load_group<A>(padded, kStep<A>);
+    }
+    for (const auto i : c10::irange(kU)) at::vec::load_to_float<S>(p + i * V, g[i]);
+  }
+  return g;
+}
+
+// Stores the first n (<= kStep) elements of g to p, converting to S.
+template <typename A, typename S>
+void store_group(S* p, const Group<A>& g, int64_t n) {
+  constexpr int64_t V = Vectorized<A>::size();
+  if constexpr (std::is_same_v<S, A>) {
+    for (const auto i : c10::irange(kU)) g[i].store(p + i * V, std::clamp<int64_t>(n - i * V, 0, V));
+  } else {
+    for (int i = 0; i < kU; i += 2) {
+      const auto count = static_cast<int>(std::clamp<int64_t>(n - i * V, 0, 2 * V));
+      at::vec::convert_from_float<S>(g[i], g[i + 1]).store(p + i * V, count);
+    }
+  }
+}
+
+// Calls f(j, count) for consecutive steps covering [0, n); only the last may be partial.
+template <typename A, typename F>
+void for_each_step(int64_t n, const F& f) {
+  int64_t j = 0;
+  for (; j + kStep<A> <= n; j += kStep<A>) f(j, kStep<A>);
+  if (j < n) f(j, n - j);
+}
+
+template <typename A, size_t S>
+using Sums = std::array<Group<A>, S>;
+
+// Lane-wise sums of term(j, kStep) over `steps` full steps from element j0, added in halves: the rounding error
+// grows with log(D) instead of D, which keeps e.g. the mean of a large-offset row accurate.
+template <typename A, size_t S, typename Term>
+TORCH_LN_FLATTEN Sums<A, S> sum_steps(int64_t j0, int64_t steps, const Term& term) {
+  Sums<A, S> acc;
+  if (steps > kLeafSteps) {
+    const int64_t half = steps / 2;
+    acc = sum_steps<A, S>(j0, half, term);
+    const Sums<A, S> rest = sum_steps<A, S>(j0 + half * kStep<A>, steps - half, term);
+    for (const auto s : c10::irange(S))
+      for (const auto i : c10::irange(kU)) acc[s][i] += rest[s][i];
+    return acc;
+  }
+  for (auto& group : acc) group.fill(Vectorized<A>(A(0)));
+  for (const auto k : c10::irange(steps)) {
+    const Sums<A, S> t = term(j0 + k * kStep<A>, kStep<A>);
+    for (const auto s : c10::irange(S))
+      for (const auto i : c10::irange(kU)) acc[s][i] += t[s][i];
+  }
+  return acc;
+}
+
+// The S row sums of the per-element terms term(j, count) -> Sums<A, S> (count elements from j) over [0, n). The
+// order of additions depends only on n.
+template <typename A, size_t S, typename Term>
+std::array<A, S> row_sums(int64_t n, const Term& term) {
+  using VA = Vectorized<A>;
+  constexpr int64_t V = VA::size();
+  Sums<A, S> acc = sum_steps<A, S>(0, n / kStep<A>, term);
+  if (const int64_t tail = n % kStep<A>) {
+    const Sums<A, S> t = term(n - tail, tail);
+    for (const auto s : c10::irange(S))
+      for (const auto i : c10::irange(kU)) {
+        // Lanes past the row end may hold nonzero terms (x - mean of a zero lane): drop them.
+        const int64_t valid = std::clamp<int64_t>(tail - i * V, 0, V);
+        if (valid > 0) acc[s][i] += valid == V ? t[s][i] : VA::set(VA(A(0)), t[s][i], valid);
+      }
+  }
+  std::array<A, S> out;
+  for (const auto s : c10::irange(S)) {
+    const VA v = (acc[s][0] + acc[s][1]) + (acc[s][2] + acc[s][3]);
+    out[s] = at::vec::vec_reduce_all<A>([](const VA& p, const VA& q) { return p + q; }, v);
+  }
+  return out;
+}
+
+// Calls f(std::true_type) or f(std::false_type): a runtime flag as a compile-time one, so the per-element loops
+// carry no branches for absent weight/bias or unrequested outputs.
+template <typename F>
+void with_flag(bool flag, const F& f) {
+  flag ? f(std::true_type{}) : f(std::false_type{});
+}
+
+template <NormKind K, typename Types>
+struct NormCpu {
+  using T = typename Types::input_t;
+  using W = typename Types::param_t;
+  using A = typename Types::acc_t;
+  using VA = Vectorized<A>;
+  static constexpr bool kCentered = K == NormKind::LayerNorm;  // RMSNorm: mean fixed at 0
+
+  // Rows per parallel task: about kGrainElements elements.
+  static constexpr int64_t kGrainElements = 32768;
+
+  // xhat = (x - mean) * rstd: subtracting first keeps it accurate for rows far from zero mean.
+  static Group<A> normalize(Group<A> v, A mean, A rstd) {
+    for (auto& e : v) e = kCentered ? (e - VA(mean)) * VA(rstd) : e * VA(rstd);
+    return v;
+  }
+
+  // g = dy * w (dy without weight).
+  template <bool HasW>
+  static Group<A> times_weight(Group<A> dy, const W* w, int64_t c) {
+    if constexpr (HasW) {
+      const Group<A> wv = load_group<A>(w, c);
+      for (const auto i : c10::irange(kU)) dy[i] = dy[i] * wv[i];
+    }
+    return dy;
+  }
+
+  // ---- forward ----
+
+  static void forward(const ForwardArgs& a) {
+    with_flag(a.weight.defined(), [&](auto has_w) {
+      with_flag(kCentered && a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b>(a); });
+    });
+  }
+
+  template <bool HasW, bool HasB>
+  static void forward_rows(const ForwardArgs& a) {
+    const int64_t D = a.cols;
+    const T* x = a.x.const_data_ptr<T>();
+    T* y = a.y.mutable_data_ptr<T>();
+    const W* w = HasW ? a.weight.const_data_ptr<W>() : nullptr;
+    const W* b = HasB ? a.bias.const_data_ptr<W>() : nullptr;
+    A* mean = kCentered ? a.mean.mutable_data_ptr<A>() : nullptr;
+    A* rstd = a.rstd.mutable_data_ptr<A>();
+    const A eps = static_cast<A>(a.eps);
+    at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
+      for (const auto r : c10::irange(begin, end)) {
+        forward_row<HasW, HasB>(x + r * D, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r]);
+      }
+    });
+  }
+
+  template <bool HasW, bool HasB>
+  TORCH_LN_FLATTEN static void forward_row(const T* x, T* y, const W* w, const W* b, int64_t D, A eps, A* mean_out,
+                                           A& rstd_out) {
+    A mean = 0;
+    if constexpr (kCentered) {
+      mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{load_group<A>(x + j, c)}; })[0] / D;
+      *mean_out = mean;
+    }
+    // Two-pass variance, centered on the mean: no E[x^2] - E[x]^2 cancellation.
+    const A sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
+      Group<A> v = load_group<A>(x + j, c);
+      for (auto& e : v) {
+        const VA d = kCentered ? e - VA(mean) : e;
+        e = d * d;
+      }
+      return Sums<A, 1>{v};
+    })[0];
+    const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
+    rstd_out = rstd;
+    for_each_step<A>(D, [&](int64_t j, int64_t c) {
+      Group<A> v = times_weight<HasW>(normalize(load_group<A>(x + j, c), mean, rstd), w + j, c);
+      if constexpr (HasB) {
+        const Group<A> bv = load_group<A>(b + j, c);
+        for (const auto i : c10::irange(kU)) v[i] = v[i] + bv[i];
+      }
+      store_group<A>(y + j, v, c);
+    });
+  }
+
+  // ---- backward ----
+
+  static void backward(const BackwardArgs& a) {
+    with_flag(a.weight.defined(), [&](auto has_w) {
+      with_flag(a.dx.defined(), [&](auto want_dx) { backward_rows<has_w, want_dx>(a); });
+    });
+  }
+
+  // One pass per row computes dx and adds the row's dweight/dbias terms to its chunk's partial rows; the partials
+  // are then summed over chunks in chunk order.
+  template <bool HasW, bool WantDx>
+  static void backward_rows(const BackwardArgs& a) {
+    const int64_t M = a.rows, D = a.cols;
+    const T* dy = a.dy.const_data_ptr<T>();
+    const T* x = a.x.const_data_ptr<T>();
+    T* dx = WantDx ? a.dx.mutable_data_ptr<T>() : nullptr;
+    const W* w = HasW ? a.weight.const_data_ptr<W>() : nullptr;
+    const A* mean = kCentered ? a.mean.const_data_ptr<A>() : nullptr;
+    const A* rstd = a.rstd.const_data_ptr<A>();
+
+    const int64_t chunks = backward_chunks(M, D);
+    const auto part_options = a.x.options().dtype(c10::CppTypeToScalarType<A>::value);
+    const at::Tensor dw_parts = a.dweight.defined() ? at::empty({chunks, D}, part_options) : at::Tensor();
+    const at::Tensor db_parts = a.dbias.defined() ? at::empty({chunks, D}, part_options) : at::Tensor();
+    A* dw_part = dw_parts.defined() ? dw_parts.mutable_data_ptr<A>() : nullptr;
+    A* db_part = db_parts.defined() ? db_parts.mutable_data_ptr<A>() : nullptr;
+
+    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      for (const auto chunk : c10::irange(chunk_begin, chunk_end)) {
+        const int64_t row_begin = chunk * M / chunks, row_end = (chunk + 1) * M / chunks;
+        for (const auto r : c10::irange(row_begin, row_end)) {
+          backward_row<HasW, WantDx>(dy + r * D, x + r * D, WantDx ? dx + r * D : nullptr, w, D,
+                                     kCentered ? mean[r] : A(0), rstd[r], dw_part ? dw_part + chunk * D : nullptr,
+                                     db_part ? db_part + chunk * D : nullptr, r == row_begin);
+        }
+      }
+    });
+
+    // Sum the partials over chunks in chunk order; columns are independent, so any column split gives the same bits.
+    for (const auto& [parts, out] : {std::pair{dw_part, a.dweight}, std::pair{db_part, a.dbias}}) {
+      if (parts == nullptr) continue;
+      W* out_data = out.template mutable_data_ptr<W>();
+      const int64_t grain = std::max<int64_t>(kStep<A>, kGrainElements / chunks);
+      at::parallel_for(0, D, grain, [&](int64_t begin, int64_t end) {
+        sum_chunks(parts + begin, chunks, D, out_data + begin, end - begin);
+      });
+    }
+  }
+
+  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w (RMSNorm: no mean(g) term), and the row's
+  // dweight (dy * xhat) and dbias (dy) terms added to the chunk partials dw_part / db_part (null when not wanted),
+  // which the chunk's first row initializes.
+  template <bool HasW, bool WantDx>
+  TORCH_LN_FLATTEN static void backward_row(const T* dy, const T* x, T* dx, const W* w, int64_t D, A mean, A rstd,
+                                            A* dw_part, A* db_part, bool first) {
+    A g_mean = 0, gx_mean = 0;
+    if constexpr (WantDx) {
+      const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
+        Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), w + j, c), load_group<A>(x + j, c)};
+        for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
+        return t;
+      });
+      g_mean = kCentered ? sums[0] / D : A(0);
+      gx_mean = sums[1] * rstd / D;
+    }
+    for_each_step<A>(D, [&](int64_t j, int64_t c) {
+      const Group<A> dyv = load_group<A>(dy + j, c);
+      const Group<A> xhat = normalize(load_group<A>(x + j, c), mean, rstd);
+      if constexpr (WantDx) {
+        Group<A> g = times_weight<HasW>(dyv, w + j, c);
+        for (const auto i : c10::irange(kU)) {
+          g[i] = at::vec::fmadd(xhat[i], VA(-gx_mean), g[i] - VA(g_mean)) * VA(rstd);
+        }
+        store_group<A>(dx + j, g, c);
+      }
+      if (dw_part != nullptr) accumulate(dw_part + j, c, first, [&](int i) { return dyv[i] * xhat[i]; });
+      if (db_part != nullptr) accumulate(db_part + j, c, first, [&](int i) { return dyv[i]; });
+    });
+  }
+
+  // part[0, c) = term (first row of a chunk) or part + term.
+  template <typename Term>
+  static void accumulate(A* part, int64_t c, bool first, const Term& term) {
+    Group<A> v;
+    if (!first) v = load_group<A>(part, c);
+    for (const auto i : c10::irange(kU)) v[i] = first ? term(i) : v[i] + term(i);
+    store_group<A>(part, v, c);
+  }
+
+  // out[j] = sum over chunks of parts[chunk * D + j], in chunk order, for j in [0, n).
+  TORCH_LN_FLATTEN static void sum_chunks(const A* parts, int64_t chunks, int64_t D, W* out, int64_t n) {
+    for_each_step<A>(n, [&](int64_t j, int64_t c) {
+      Group<A> sum = load_group<A>(parts + j, c);
+      for (const auto chunk : c10::irange(int64_t{1}, chunks)) {
+        const Group<A> p = load_group<A>(parts + chunk * D + j, c);
+        for (const auto i : c10::irange(kU)) sum[i] += p[i];
+      }
+      store_group<A>(out + j, sum, c);
+    });
+  }
+
+  // Row chunks of the backward pass, a function of (M, D) only so the gradients don't depend on the thread count:
+  // up to 64 (parallelism for many cores) of at least 4 rows (so the chunk reduction stays small next to the row
+  // pass), with the dweight + dbias partials capped at 16 MB.
+  static int64_t backward_chunks(int64_t M, int64_t D) {
+    const int64_t by_memory = (int64_t{16} << 20) / (2 * D * static_cast<int64_t>(sizeof(A)));
+    return std::max<int64_t>(1, std::min({int64_t{64}, (M + 3) / 4, by_memory}));
+  }
+};
+
+}  // namespace
+}  // namespace torch_ln
+
+#ifdef TORCH_LN_TARGET_AVX2
+#pragma GCC pop_options
+#endif
+
+namespace torch_ln {
+namespace {
+
+void check_cpu_support() {
+#ifdef TORCH_LN_TARGET_AVX2
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  TORCH_CHECK(supported, "torch_ln: the CPU kernels need a CPU with AVX2 and FMA");
+#endif
+}
+
+template <typename F>
+void dispatch_kind(NormKind kind, const F& f) {
+  kind == NormKind::LayerNorm ? f(std::integral_constant<NormKind, NormKind::LayerNorm>{})
+                              : f(std::integral_constant<NormKind, NormKind::RMSNorm>{});
+}
+
+}  // namespace
+
+void cpu_norm_forward(NormKind kind, const ForwardArgs& a) {
+  check_cpu_support();
+  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto types) {
+    dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::forward(a); });
+  });
+}
+
+void cpu_norm_backward(NormKind kind, const BackwardArgs& a) {
+  check_cpu_support();
+  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.dbias), [&](auto types) {
+    dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::backward(a); });
+  });
+}
+
+}  // namespace torch_ln

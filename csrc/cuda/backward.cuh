@@ -1,0 +1,159 @@
+// Backward kernels: dx for each row, and the weight/bias gradients as float32
+// (float64) partial sums, one partial row per row-slot, later reduced in a fixed
+// order by grad_reduce.cuh. No atomics: results are bitwise reproducible.
+//
+// With xhat = (x - mean) * rstd and g = dy * weight:
+//   LayerNorm: dx = rstd * (g - sum(g) / D - xhat * sum(g * xhat) / D)
+//   RMSNorm:   dx = rstd * (g - xhat * sum(g * xhat) / D)          (mean = 0)
+//   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy.
+#pragma once
+
+#include "../norm.h"
+#include "launch_plan.h"
+#include "reduce.cuh"
+
+namespace torch_ln {
+
+template <typename T, typename W, typename acc_t>
+struct BackwardParams {
+  const T* dy;
+  const T* x;
+  const acc_t* mean;  // nullptr for RMSNorm
+  const acc_t* rstd;
+  const W* weight;  // nullptr: no weight
+  T* dx;            // nullptr: dx not requested
+  acc_t* partial_dweight;  // [slots, cols], or nullptr when not requested
+  acc_t* partial_dbias;    // [slots, cols], or nullptr when not requested
+  int64_t rows, cols;
+  int threads_per_row;
+};
+
+// xhat and g for one vector at element offset i of `row`; adds this vector's
+// terms to the row sums of g and g * xhat.
+template <int VEC, typename T, typename W, typename acc_t>
+TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, acc_t mean,
+                                acc_t rstd, acc_t (&xhat)[VEC], acc_t (&dy)[VEC], acc_t& sum_g, acc_t& sum_g_xhat) {
+  acc_t w[VEC];
+  load_vec<VEC>(p.x + row * p.cols, i, xhat);
+  load_vec<VEC>(p.dy + row * p.cols, i, dy);
+  if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    xhat[j] = (xhat[j] - mean) * rstd;
+    const acc_t g = p.weight != nullptr ? dy[j] * w[j] : dy[j];
+    sum_g += g;
+    sum_g_xhat += g * xhat[j];
+  }
+}
+
+// dx for one vector, from the row's reduced sums (already divided by D).
+template <NormKind KIND, int VEC, typename T, typename W, typename acc_t>
+TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, const acc_t (&xhat)[VEC],
+                         const acc_t (&dy)[VEC], acc_t rstd, acc_t mean_g, acc_t mean_g_xhat) {
+  acc_t w[VEC], dx[VEC];
+  if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const acc_t g = p.weight != nullptr ? dy[j] * w[j] : dy[j];
+    const acc_t centred = KIND == NormKind::LayerNorm ? g - mean_g : g;
+    dx[j] = rstd * (centred - xhat[j] * mean_g_xhat);
+  }
+  store_vec<VEC>(p.dx + row * p.cols, i, dx);
+}
+
+// Rows held in registers (as in the forward). Each row-slot (a row's worth of
+// threads) walks rows slot, slot + slots, ... and keeps its share of the
+// weight/bias gradient sums in registers, written once at the end.
+template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
+TLN_KERNEL void norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
+  acc_t* smem = dev::dynamic_shared<acc_t>();
+  const int tpr = p.threads_per_row;
+  const int lane = dev::thread_x() % tpr;
+  const int rows_per_block = dev::block_dim_x() / tpr;
+  const int64_t nvec = p.cols / VEC;
+  acc_t dweight[ITEMS][VEC] = {};
+  acc_t dbias[ITEMS][VEC] = {};
+  for (int64_t tile = int64_t{dev::block_x()} * rows_per_block; tile < p.rows;
+       tile += int64_t{dev::grid_dim_x()} * rows_per_block) {
+    const int64_t row = tile + dev::thread_x() / tpr;
+    const bool active = row < p.rows;
+    const acc_t mean = active && p.mean != nullptr ? p.mean[row] : acc_t(0);
+    const acc_t rstd = active ? p.rstd[row] : acc_t(0);
+    acc_t xhat[ITEMS][VEC], dy[ITEMS][VEC];
+    acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int64_t c = int64_t{k} * tpr + lane;
+      if (active && c < nvec) {
+        load_xhat_and_g(p, row, c * VEC, mean, rstd, xhat[k], dy[k], sum_g, sum_g_xhat);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          dweight[k][j] += dy[k][j] * xhat[k][j];
+          dbias[k][j] += dy[k][j];
+        }
+      }
+    }
+    row_sum2(sum_g, sum_g_xhat, tpr, smem);
+    if (!active || p.dx == nullptr) continue;
+    const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int64_t c = int64_t{k} * tpr + lane;
+      if (c < nvec) store_dx<KIND>(p, row, c * VEC, xhat[k], dy[k], rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+    }
+  }
+  // Every slot writes its whole partial row, zeros included, so the buffer needs no clearing.
+  const int64_t slot = int64_t{dev::block_x()} * rows_per_block + dev::thread_x() / tpr;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int64_t c = int64_t{k} * tpr + lane;
+    if (c >= nvec) continue;
+    if (p.partial_dweight != nullptr) store_vec<VEC>(p.partial_dweight + slot * p.cols, c * VEC, dweight[k]);
+    if (p.partial_dbias != nullptr) store_vec<VEC>(p.partial_dbias + slot * p.cols, c * VEC, dbias[k]);
+  }
+}
+
+// Adds a vector to a slot's partial row in global memory (the slot's own row:
+// no other thread touches it, so no atomics).
+template <int VEC, typename acc_t>
+TLN_DEVICE void accumulate_partial(acc_t* partial, int64_t i, const acc_t (&v)[VEC]) {
+  acc_t sum[VEC];
+  load_vec<VEC>(partial, i, sum);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) sum[j] += v[j];
+  store_vec<VEC>(partial, i, sum);
+}
+
+// Rows too long for registers: a block per row-slot, two passes over each row
+// (the sums, then dx and the gradient terms added to the slot's zero-initialized
+// partial rows).
+template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
+TLN_KERNEL void norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
+  acc_t* smem = dev::dynamic_shared<acc_t>();
+  const int threads = dev::block_dim_x();
+  const int64_t nvec = p.cols / VEC;
+  const int64_t slot = dev::block_x();
+  for (int64_t row = slot; row < p.rows; row += dev::grid_dim_x()) {
+    const acc_t mean = p.mean != nullptr ? p.mean[row] : acc_t(0);
+    const acc_t rstd = p.rstd[row];
+    acc_t xhat[VEC], dy[VEC];
+    acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
+    for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
+      load_xhat_and_g(p, row, c * VEC, mean, rstd, xhat, dy, sum_g, sum_g_xhat);
+    }
+    row_sum2(sum_g, sum_g_xhat, threads, smem);
+    const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
+    for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
+      acc_t unused_g = acc_t(0), unused_g_xhat = acc_t(0);
+      load_xhat_and_g(p, row, c * VEC, mean, rstd, xhat, dy, unused_g, unused_g_xhat);
+      if (p.dx != nullptr) store_dx<KIND>(p, row, c * VEC, xhat, dy, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+      acc_t dy_xhat[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dy_xhat[j] = dy[j] * xhat[j];
+      if (p.partial_dweight != nullptr) accumulate_partial(p.partial_dweight + slot * p.cols, c * VEC, dy_xhat);
+      if (p.partial_dbias != nullptr) accumulate_partial(p.partial_dbias + slot * p.cols, c * VEC, dy);
+    }
+  }
+}
+
+}  // namespace torch_ln

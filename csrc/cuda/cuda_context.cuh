@@ -1,0 +1,26 @@
+// Where a CUDA call runs: under a guard for the input's device, on its current
+// stream, with that device's limits for launch planning. Nothing synchronizes.
+#pragma once
+
+#include "launch_plan.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace torch_ln {
+
+struct CudaLaunchContext {
+  explicit CudaLaunchContext(const at::Tensor& input) : guard(input.device()) {
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor};
+    stream = at::cuda::getCurrentCUDAStream();
+  }
+
+  c10::cuda::CUDAGuard guard;
+  DeviceLimits limits{};
+  cudaStream_t stream{};
+};
+
+}  // namespace torch_ln

@@ -1,0 +1,109 @@
+// The thin device layer the kernels are written against. Under nvcc it is
+// CUDA; under a host compiler it is the SIMT emulation of
+// csrc/emulated/simt_emulator.h, so the same kernel source runs on the CPU in
+// the test-only emulated build.
+#pragma once
+
+#include <cstddef>
+#include <utility>
+
+#if defined(__CUDACC__)
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#define TLN_KERNEL __global__
+#define TLN_DEVICE __device__ __forceinline__
+// Fixed-size shared memory for the block.
+#define TLN_STATIC_SHARED(type, name, count) __shared__ type name[count]
+
+namespace torch_ln::dev {
+
+using Dim3 = ::dim3;
+using Stream = cudaStream_t;
+constexpr int kWarpSize = 32;
+
+TLN_DEVICE unsigned thread_x() { return threadIdx.x; }
+TLN_DEVICE unsigned thread_y() { return threadIdx.y; }
+TLN_DEVICE unsigned block_x() { return blockIdx.x; }
+TLN_DEVICE unsigned block_y() { return blockIdx.y; }
+TLN_DEVICE unsigned block_dim_x() { return blockDim.x; }
+TLN_DEVICE unsigned block_dim_y() { return blockDim.y; }
+TLN_DEVICE unsigned grid_dim_x() { return gridDim.x; }
+TLN_DEVICE void sync_threads() { __syncthreads(); }
+
+template <typename T>
+TLN_DEVICE T shfl_xor(T value, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+}
+
+// The launch's dynamic shared memory, as an array of T.
+template <typename T>
+TLN_DEVICE T* dynamic_shared() {
+  extern __shared__ __align__(16) unsigned char tln_dynamic_smem[];
+  return reinterpret_cast<T*>(tln_dynamic_smem);
+}
+
+TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
+TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, Args&&... args) {
+  if (smem_bytes >= 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  }
+  kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace torch_ln::dev
+
+#else  // SIMT emulation on the CPU
+
+#include <cmath>
+
+#include "../emulated/simt_emulator.h"
+
+#define TLN_KERNEL
+#define TLN_DEVICE inline
+// One array shared by every emulated thread; blocks run one at a time, so
+// per-block semantics hold.
+#define TLN_STATIC_SHARED(type, name, count) static type name[count]
+
+namespace torch_ln::dev {
+
+using Dim3 = emu::Dim3;
+struct Stream {};
+constexpr int kWarpSize = emu::kWarpSize;
+
+inline unsigned thread_x() { return emu::this_thread().thread_idx.x; }
+inline unsigned thread_y() { return emu::this_thread().thread_idx.y; }
+inline unsigned block_x() { return emu::this_thread().block_idx.x; }
+inline unsigned block_y() { return emu::this_thread().block_idx.y; }
+inline unsigned block_dim_x() { return emu::this_thread().block_dim.x; }
+inline unsigned block_dim_y() { return emu::this_thread().block_dim.y; }
+inline unsigned grid_dim_x() { return emu::this_thread().grid_dim.x; }
+inline void sync_threads() { emu::sync_threads(); }
+
+template <typename T>
+T shfl_xor(T value, int lane_mask) {
+  return emu::shfl_xor(value, lane_mask);
+}
+
+template <typename T>
+T* dynamic_shared() {
+  return reinterpret_cast<T*>(emu::dynamic_shared_memory());
+}
+
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {
+  emu::launch(grid, block, smem_bytes, [&] { kernel(args...); });
+}
+
+}  // namespace torch_ln::dev
+
+#endif

@@ -1,0 +1,149 @@
+// Forward kernels: y = (x - mean) * rstd * weight + bias, one template for
+// LayerNorm and RMSNorm (RMSNorm is the same computation with mean = 0).
+#pragma once
+
+#include "../norm.h"
+#include "launch_plan.h"
+#include "reduce.cuh"
+
+namespace torch_ln {
+
+template <typename T, typename W, typename acc_t>
+struct ForwardParams {
+  const T* x;
+  const W* weight;  // nullptr: no weight
+  const W* bias;    // nullptr: no bias
+  T* y;
+  acc_t* mean;  // nullptr for RMSNorm
+  acc_t* rstd;
+  int64_t rows, cols;
+  acc_t eps;
+  int threads_per_row;
+};
+
+// rstd from a row's sum of squared deviations.
+template <typename acc_t>
+TLN_DEVICE acc_t rstd_from(acc_t squares, int64_t cols, acc_t eps) {
+  return dev::rsqrt(squares / static_cast<acc_t>(cols) + eps);
+}
+
+// Sum of (x - mean)^2 over one vector (mean is 0 for RMSNorm).
+template <int VEC, typename acc_t>
+TLN_DEVICE acc_t squared_deviations(const acc_t (&v)[VEC], acc_t mean) {
+  acc_t s = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s += (v[j] - mean) * (v[j] - mean);
+  return s;
+}
+
+template <int VEC, typename acc_t>
+TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
+  acc_t s = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) s += v[j];
+  return s;
+}
+
+// Normalizes one vector of a row (element offset i) and stores it to y.
+template <int VEC, typename T, typename W, typename acc_t>
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t row, int64_t i,
+                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd) {
+  acc_t out[VEC], w[VEC], b[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;
+  if (p.weight != nullptr) {
+    load_vec<VEC>(p.weight, i, w);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] *= w[j];
+  }
+  if (p.bias != nullptr) {
+    load_vec<VEC>(p.bias, i, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] += b[j];
+  }
+  store_vec<VEC>(p.y + row * p.cols, i, out);
+}
+
+// Rows held in registers: ITEMS vectors of VEC elements per thread, read from
+// global memory once. Threads [r * tpr, (r + 1) * tpr) of a block share row r;
+// a thread's vectors are strided by tpr so that a warp's loads are contiguous.
+template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
+TLN_KERNEL void norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
+  acc_t* smem = dev::dynamic_shared<acc_t>();
+  const int tpr = p.threads_per_row;
+  const int lane = dev::thread_x() % tpr;
+  const int rows_per_block = dev::block_dim_x() / tpr;
+  const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
+  // The loop bound is uniform across the block: every thread reaches each reduction.
+  for (int64_t tile = int64_t{dev::block_x()} * rows_per_block; tile < p.rows;
+       tile += int64_t{dev::grid_dim_x()} * rows_per_block) {
+    const int64_t row = tile + dev::thread_x() / tpr;
+    const bool active = row < p.rows;
+    acc_t v[ITEMS][VEC];
+    acc_t sum = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int64_t c = int64_t{k} * tpr + lane;
+      if (active && c < nvec) {
+        load_vec<VEC>(p.x + row * p.cols, c * VEC, v[k]);
+        sum += vector_sum(v[k]);
+      }
+    }
+    const acc_t mean = KIND == NormKind::LayerNorm ? row_sum(sum, tpr, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
+    // Two-pass variance over the registers: no E[x^2] - E[x]^2 cancellation.
+    acc_t squares = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (active && int64_t{k} * tpr + lane < nvec) squares += squared_deviations(v[k], mean);
+    }
+    const acc_t rstd = rstd_from(row_sum(squares, tpr, smem), p.cols, p.eps);
+    if (!active) continue;
+    if (lane == 0) {
+      if (p.mean != nullptr) p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const int64_t c = int64_t{k} * tpr + lane;
+      if (c < nvec) normalize_and_store(p, row, c * VEC, v[k], mean, rstd);
+    }
+  }
+}
+
+// Rows too long for registers: a block per row, three passes over the row
+// (sum, squared deviations, normalize); the later passes mostly hit L2.
+template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
+TLN_KERNEL void norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
+  acc_t* smem = dev::dynamic_shared<acc_t>();
+  const int threads = dev::block_dim_x();
+  const int64_t nvec = p.cols / VEC;
+  for (int64_t row = dev::block_x(); row < p.rows; row += dev::grid_dim_x()) {
+    const T* x = p.x + row * p.cols;
+    acc_t v[VEC];
+    acc_t mean = acc_t(0);
+    if (KIND == NormKind::LayerNorm) {
+      acc_t sum = acc_t(0);
+      for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
+        load_vec<VEC>(x, c * VEC, v);
+        sum += vector_sum(v);
+      }
+      mean = row_sum(sum, threads, smem) / static_cast<acc_t>(p.cols);
+    }
+    acc_t squares = acc_t(0);
+    for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
+      load_vec<VEC>(x, c * VEC, v);
+      squares += squared_deviations(v, mean);
+    }
+    const acc_t rstd = rstd_from(row_sum(squares, threads, smem), p.cols, p.eps);
+    if (dev::thread_x() == 0) {
+      if (p.mean != nullptr) p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+    for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
+      load_vec<VEC>(x, c * VEC, v);
+      normalize_and_store(p, row, c * VEC, v, mean, rstd);
+    }
+  }
+}
+
+}  // namespace torch_ln

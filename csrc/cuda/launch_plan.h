@@ -1,0 +1,92 @@
+// Launch planning: the one function that picks the thread layout of the row
+// kernels from the row length. Plain host C++, shared by the CUDA build and the
+// emulated build, so the emulation tests exercise the very same plans.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+namespace torch_ln {
+
+// What the plan needs to know about the device.
+struct DeviceLimits {
+  int num_sms;
+  int max_threads_per_sm;
+};
+
+constexpr int kVectorBytes = 16;        // one 128-bit load or store
+constexpr int kRowsBlockThreads = 128;  // block size when several rows share a block
+constexpr int kSmallItems = 2;          // vectors per thread for short rows
+
+// How much of a row a thread keeps in registers, per kernel family.
+struct RegisterBudget {
+  int elems;        // elements per thread
+  int max_threads;  // threads per row (and per block) at most
+};
+// The forward holds x: 32 values a thread, up to 1024 threads (<= 64 registers
+// a thread at full block size).
+constexpr RegisterBudget kForwardBudget{32, 1024};
+// The backward holds x, dy and the running weight/bias gradient sums: 4 x 16
+// values a thread, so blocks stop at 512 threads to stay within the register file.
+constexpr RegisterBudget kBackwardBudget{16, 512};
+
+// The register tiers a kernel is compiled for, in vectors per thread: kSmallItems
+// and this one.
+constexpr int large_items(int vec, RegisterBudget budget) { return std::max(kSmallItems, budget.elems / vec); }
+
+struct RowPlan {
+  int vec;              // elements per access: a 16-byte vector, or 1 (the scalar path)
+  int items;            // vectors per thread kept in registers; 0 means the multi-pass path
+  int threads_per_row;  // a power of two; rows of <= 32 threads live inside one warp
+  int rows_per_block;
+  int64_t blocks;
+
+  bool multipass() const { return items == 0; }
+  int block_threads() const { return threads_per_row * rows_per_block; }
+  // Shared memory for block-wide reductions of up to two values per warp.
+  template <typename acc_t>
+  size_t smem_bytes() const {
+    return threads_per_row > 32 ? 2 * sizeof(acc_t) * (block_threads() / 32) : 0;
+  }
+};
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int next_pow2(int64_t n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Plans the row kernels for M rows of D elements of `elem_bytes` each.
+// `vectorizable`: every pointer involved is 16-byte aligned and each row starts
+// 16-byte aligned (D * elem_bytes % 16 == 0); otherwise the scalar path runs.
+// `single_wave` caps the grid at one wave of blocks on device `d` (the
+// backward, whose partial sums are one row per row-slot); rows beyond the grid
+// are handled by a grid-stride loop. The layout depends only on D, dtype and
+// alignment, never on M: that makes a row's result independent of its batch.
+inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget,
+                         const DeviceLimits& d, bool single_wave) {
+  RowPlan p{};
+  p.vec = vectorizable ? kVectorBytes / elem_bytes : 1;
+  const int64_t nvec = ceil_div(D, p.vec);
+  const int large = large_items(p.vec, budget);
+  if (nvec <= int64_t{kSmallItems} * 32) {  // short rows: a warp or less per row
+    p.items = kSmallItems;
+    p.threads_per_row = next_pow2(ceil_div(nvec, kSmallItems));
+  } else if (nvec <= int64_t{large} * budget.max_threads) {  // the row fits in the registers of a block
+    p.items = large;
+    p.threads_per_row = std::max(32, next_pow2(ceil_div(nvec, large)));
+  } else {  // very long rows: a block per row, several passes over global memory
+    p.items = 0;
+    p.threads_per_row = budget.max_threads;
+  }
+  p.rows_per_block = std::max(1, kRowsBlockThreads / p.threads_per_row);
+  const int64_t max_blocks = single_wave ? int64_t{d.num_sms} * std::max(1, d.max_threads_per_sm / p.block_threads())
+                                         : int64_t{1} << 30;
+  p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), max_blocks));
+  return p;
+}
+
+}  // namespace torch_ln

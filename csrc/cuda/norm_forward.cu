@@ -1,0 +1,12 @@
+#include "cuda_context.cuh"
+#include "launch.h"
+#include "norm_cuda.h"
+
+namespace torch_ln {
+
+void cuda_norm_forward(NormKind kind, const ForwardArgs& args) {
+  const CudaLaunchContext context(args.x);
+  launch_norm_forward(kind, args, context.limits, context.stream);
+}
+
+}  // namespace torch_ln

@@ -1,0 +1,80 @@
+// Device helpers shared by the kernels: vector memory access and sum
+// reductions built in layers (thread -> warp -> row of warps).
+#pragma once
+
+#include "device.cuh"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace torch_ln {
+
+// VEC elements moved by one aligned access (16 bytes for VEC = 16 / sizeof(T)).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+// Loads VEC elements starting at element `i` of `p`, converted to acc_t.
+template <int VEC, typename acc_t, typename T>
+TLN_DEVICE void load_vec(const T* p, int64_t i, acc_t (&out)[VEC]) {
+  const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(p + i);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = static_cast<acc_t>(v.v[j]);
+}
+
+template <int VEC, typename acc_t, typename T>
+TLN_DEVICE void store_vec(T* p, int64_t i, const acc_t (&in)[VEC]) {
+  Vec<T, VEC> v;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v.v[j] = static_cast<T>(in[j]);
+  *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
+}
+
+// Sum over the `width` lanes (a power of two <= 32) of each aligned lane group.
+// The xor butterfly adds the same pairs in every lane, so every lane ends with
+// the bitwise same total.
+template <typename acc_t>
+TLN_DEVICE acc_t warp_sum(acc_t v, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) v += dev::shfl_xor(v, offset);
+  return v;
+}
+
+// Sums two values over the threads of one row: a row of `threads_per_row`
+// threads starting at thread `row_in_block * threads_per_row` of the block.
+// Rows of up to 32 threads reduce inside their warp; longer rows add their
+// warps' totals through shared memory `smem` (2 per warp of the block), in warp
+// order, so the result is deterministic and identical in every thread. Every
+// thread of the block must call it (it synchronizes the block when rows span
+// several warps).
+template <typename acc_t>
+TLN_DEVICE void row_sum2(acc_t& a, acc_t& b, int threads_per_row, acc_t* smem) {
+  a = warp_sum(a, threads_per_row < dev::kWarpSize ? threads_per_row : dev::kWarpSize);
+  b = warp_sum(b, threads_per_row < dev::kWarpSize ? threads_per_row : dev::kWarpSize);
+  if (threads_per_row <= dev::kWarpSize) return;
+  const int warp = dev::thread_x() / dev::kWarpSize;
+  const int warps_per_row = threads_per_row / dev::kWarpSize;
+  const int first_warp = warp / warps_per_row * warps_per_row;
+  if (dev::thread_x() % dev::kWarpSize == 0) {
+    smem[2 * warp] = a;
+    smem[2 * warp + 1] = b;
+  }
+  dev::sync_threads();
+  a = b = acc_t(0);
+  for (int w = first_warp; w < first_warp + warps_per_row; ++w) {
+    a += smem[2 * w];
+    b += smem[2 * w + 1];
+  }
+  dev::sync_threads();  // smem is reused by the next reduction
+}
+
+template <typename acc_t>
+TLN_DEVICE acc_t row_sum(acc_t a, int threads_per_row, acc_t* smem) {
+  acc_t unused = acc_t(0);
+  row_sum2(a, unused, threads_per_row, smem);
+  return a;
+}
+
+}  // namespace torch_ln

@@ -1,0 +1,46 @@
+// Backend-independent pieces of the torch_ln operators: argument checks, the
+// problem shape, and the kernel interface each backend (CPU, CUDA, emulated
+// CUDA) implements. The operators themselves are written once, in norm_ops.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace torch_ln {
+
+// Which normalization a kernel computes. RMSNorm is LayerNorm without the mean
+// term, so every kernel is one template over this parameter.
+enum class NormKind { LayerNorm, RMSNorm };
+
+// Arguments of one forward call, already validated. x and y are [M, D] and
+// contiguous; weight and bias are [D] contiguous or undefined; mean and rstd
+// are [M] contiguous in the accumulation dtype (mean is undefined for RMSNorm).
+struct ForwardArgs {
+  at::Tensor x, weight, bias;
+  double eps;
+  at::Tensor y, mean, rstd;
+  int64_t rows, cols;
+};
+
+// Arguments of one backward call. dy and x are [M, D] contiguous; mean/rstd as
+// in ForwardArgs. dx, dweight, dbias are undefined when not requested.
+struct BackwardArgs {
+  at::Tensor dy, x, mean, rstd, weight;
+  at::Tensor dx, dweight, dbias;
+  int64_t rows, cols;
+};
+
+// The kernels one backend provides.
+struct NormKernels {
+  void (*forward)(NormKind, const ForwardArgs&);
+  void (*backward)(NormKind, const BackwardArgs&);
+};
+
+// Registers the four operator schemas into `m` (the torch_ln library, or the
+// emulated-CUDA test library, which shares the schemas).
+void define_norm_schemas(torch::Library& m);
+
+}  // namespace torch_ln

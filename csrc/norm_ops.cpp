@@ -1,0 +1,121 @@
+// Operator schemas (defined once, here) and the argument checks every backend
+// shares.
+#include "norm_ops.h"
+
+#include <c10/util/irange.h>
+
+#include <limits>
+#include <sstream>
+
+namespace torch_ln {
+
+namespace {
+
+bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// weight and bias must have the input's dtype, or float32 with a half or
+// bfloat16 input (mixed precision).
+void check_parameter(const char* op, const char* name, const at::Tensor& p, const at::Tensor& input,
+                     at::IntArrayRef normalized_shape) {
+  TORCH_CHECK_VALUE(p.sizes() == normalized_shape, "torch_ln.", op, ": expected ", name,
+                    " to have shape normalized_shape=", normalized_shape, ", but got ", name, ".shape=", p.sizes());
+  const bool reduced = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_TYPE(p.scalar_type() == input.scalar_type() || (reduced && p.scalar_type() == at::kFloat),
+                   "torch_ln.", op, ": expected ", name, " to have the input's dtype (", input.scalar_type(), ")",
+                   reduced ? " or float32" : "", ", but got ", name, ".dtype=", p.scalar_type());
+  TORCH_CHECK_VALUE(p.device() == input.device(), "torch_ln.", op, ": expected ", name,
+                    " on the input's device (", input.device(), "), but got ", name, ".device=", p.device());
+}
+
+}  // namespace
+
+RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntArrayRef normalized_shape,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_TYPE(is_supported_dtype(input.scalar_type()), "torch_ln.", op,
+                   ": expected input of dtype float32, float64, float16 or bfloat16, but got input.dtype=",
+                   input.scalar_type());
+  const int64_t norm_ndim = static_cast<int64_t>(normalized_shape.size());
+  TORCH_CHECK_VALUE(norm_ndim >= 1, "torch_ln.", op,
+                    ": expected normalized_shape to have at least one dimension, but got normalized_shape=",
+                    normalized_shape);
+  for (const auto d : normalized_shape) {
+    TORCH_CHECK_VALUE(d > 0, "torch_ln.", op, ": expected every entry of normalized_shape to be positive, but got ",
+                      "normalized_shape=", normalized_shape);
+  }
+  const int64_t axis = input.dim() - norm_ndim;
+  TORCH_CHECK_VALUE(axis >= 0 && input.sizes().slice(axis) == normalized_shape, "torch_ln.", op,
+                    ": expected normalized_shape to equal the trailing dimensions of input, but got normalized_shape=",
+                    normalized_shape, " and input.shape=", input.sizes());
+  if (weight.has_value()) check_parameter(op, "weight", *weight, input, normalized_shape);
+  if (bias.has_value()) check_parameter(op, "bias", *bias, input, normalized_shape);
+  if (weight.has_value() && bias.has_value()) {
+    TORCH_CHECK_TYPE(weight->scalar_type() == bias->scalar_type(), "torch_ln.", op,
+                     ": expected weight and bias to have the same dtype, but got weight.dtype=",
+                     weight->scalar_type(), " and bias.dtype=", bias->scalar_type());
+  }
+  int64_t cols = 1;
+  for (const auto d : normalized_shape) cols *= d;
+  return {input.numel() / cols, cols, axis};
+}
+
+void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const RowShape& shape,
+                           const at::Tensor& rstd, const std::optional<at::Tensor>& mean) {
+  TORCH_CHECK_VALUE(grad_out.sizes() == input.sizes(), "torch_ln.", op,
+                    ": expected grad_out to have the input's shape ", input.sizes(), ", but got grad_out.shape=",
+                    grad_out.sizes());
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), "torch_ln.", op,
+                   ": expected grad_out to have the input's dtype (", input.scalar_type(),
+                   "), but got grad_out.dtype=", grad_out.scalar_type());
+  TORCH_CHECK_VALUE(grad_out.device() == input.device(), "torch_ln.", op, ": expected grad_out on the input's device (",
+                    input.device(), "), but got grad_out.device=", grad_out.device());
+  const auto acc = accumulation_dtype(input.scalar_type());
+  auto check_stat = [&](const char* name, const at::Tensor& s) {
+    TORCH_CHECK_VALUE(s.numel() == shape.rows, "torch_ln.", op, ": expected ", name, " to have one entry per row (",
+                      shape.rows, "), but got ", name, ".numel()=", s.numel());
+    TORCH_CHECK_TYPE(s.scalar_type() == acc, "torch_ln.", op, ": expected ", name, " of dtype ", acc, ", but got ",
+                     name, ".dtype=", s.scalar_type());
+    TORCH_CHECK_VALUE(s.device() == input.device(), "torch_ln.", op, ": expected ", name, " on the input's device (",
+                      input.device(), "), but got ", name, ".device=", s.device());
+  };
+  check_stat("rstd", rstd);
+  if (mean.has_value()) check_stat("mean", *mean);
+}
+
+at::ScalarType accumulation_dtype(at::ScalarType input) { return input == at::kDouble ? at::kDouble : at::kFloat; }
+
+std::vector<int64_t> statistics_shape(const at::Tensor& input, int64_t axis) {
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  for (const auto i : c10::irange(axis, input.dim())) shape[i] = 1;
+  return shape;
+}
+
+double default_rms_eps(at::ScalarType input) {
+  return input == at::kDouble ? std::numeric_limits<double>::epsilon() : std::numeric_limits<float>::epsilon();
+}
+
+at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+
+at::Tensor unrequested_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+void define_norm_schemas(torch::Library& m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def(
+      "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps)"
+      " -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def(
+      "layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd,"
+      " Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def("rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps) -> (Tensor, Tensor)", tags);
+  m.def(
+      "rms_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor rstd, Tensor? weight,"
+      " bool[2] output_mask) -> (Tensor, Tensor)",
+      tags);
+}
+
+}  // namespace torch_ln

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One command for each job, set-up included (Python >= 3.10 on PATH as python3, or $PYTHON):
+#   bash scripts/run.sh main   installs, builds, and runs the self-check `python -m torch_ln`
+#   bash scripts/run.sh test   installs, builds, and runs the test suite: the main suite, then
+#                              the CUDA kernels under SIMT emulation with ASan and UBSan
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+# torch first: the extension builds against the installed torch (--no-build-isolation).
+"$PYTHON" -m pip install --quiet "torch>=2.11,<2.15" ninja pytest numpy expecttest
+"$PYTHON" -m pip install --quiet --no-build-isolation -e .
+
+case "${1:-}" in
+  main)
+    "$PYTHON" -m torch_ln
+    ;;
+  test)
+    "$PYTHON" -m pytest tests --ignore=tests/emulated
+    # The emulated kernels under AddressSanitizer: its runtime has to be loaded first.
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+      TORCH_LN_REQUIRE_SANITIZERS=1 "$PYTHON" -m pytest tests/emulated
+    ;;
+  *)
+    echo "usage: bash scripts/run.sh main|test" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,28 @@
+"""A small CUDA workload for compute-sanitizer: every kernel family and layout, once each."""
+
+import torch
+
+import torch_ln
+
+torch.manual_seed(0)
+# (rows, D, dtype): short rows, warp rows, block rows, multi-pass, scalar path, mixed precision.
+CASES = [
+    (37, 7, torch.float32),
+    (64, 256, torch.bfloat16),
+    (33, 1024, torch.float32),
+    (9, 4096, torch.float16),
+    (5, 9001, torch.float32),
+    (3, 40000, torch.bfloat16),
+    (17, 768, torch.float64),
+]
+for rows, cols, dtype in CASES:
+    for weight_dtype in {dtype, torch.float32} if dtype in (torch.float16, torch.bfloat16) else {dtype}:
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
+        w = torch.randn(cols, device="cuda", dtype=weight_dtype, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=weight_dtype, requires_grad=True)
+        torch_ln.layer_norm(x, [cols], w, b).sum().backward()
+        torch_ln.rms_norm(x, [cols], w).sum().backward()
+        # An unaligned view: the scalar path.
+        torch_ln.layer_norm(x.detach().flatten()[1:].view(-1)[: (rows - 1) * cols].view(rows - 1, cols), [cols])
+torch.cuda.synchronize()
+print("sanitizer case done")

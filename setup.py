@@ -1,0 +1,84 @@
+"""Builds torch_ln._C: the CPU kernels always, the CUDA kernels whenever nvcc and a CUDA build of torch are present.
+
+Environment:
+  TORCH_LN_FORCE_CPU=1    build the CPU-only extension even where CUDA could be built
+  TORCH_CUDA_ARCH_LIST    GPU architectures, e.g. "8.0;9.0"; default DEFAULT_ARCH_LIST when no GPU is visible
+  MAX_JOBS                parallel compile jobs (ninja)
+  NVCC_THREADS            threads nvcc uses per compile (default 2)
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+# Hopper (H100/H200) and Ampere (A100); set TORCH_CUDA_ARCH_LIST for others.
+DEFAULT_ARCH_LIST = "8.0;9.0"
+
+
+def _find_cuda_home() -> str | None:
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "bin" / "nvcc").exists():
+            return candidate
+    nvcc = shutil.which("nvcc")
+    return str(Path(nvcc).resolve().parent.parent) if nvcc else None
+
+
+# cpp_extension reads CUDA_HOME when it is imported.
+if _find_cuda_home():
+    os.environ.setdefault("CUDA_HOME", _find_cuda_home())
+
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def _with_cuda() -> bool:
+    if os.environ.get("TORCH_LN_FORCE_CPU", "0") not in ("", "0"):
+        return False
+    return torch.version.cuda is not None and _find_cuda_home() is not None
+
+
+def _cuda_wheel_include_dirs() -> list[str]:
+    """Headers that torch's CUDA headers need (cuBLAS, cuSPARSE, ...) but a minimal toolkit may lack:
+    take them from the nvidia-* wheels that a CUDA build of torch installs."""
+    if (Path(os.environ["CUDA_HOME"]) / "include" / "cublas_v2.h").exists():
+        return []
+    import nvidia
+
+    return [str(p.parent) for root in nvidia.__path__ for p in Path(root).glob("cu*/include/cublas_v2.h")]
+
+
+def _extension():
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    # -fopenmp: at::parallel_for is inlined into our code, and only runs in parallel when OpenMP is on.
+    cxx_flags = ["-O3", "-fopenmp"]
+    if not _with_cuda():
+        return CppExtension("torch_ln._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    cuda_dir = ROOT / "csrc" / "cuda"
+    sources += sorted(str(p.relative_to(ROOT)) for p in [*cuda_dir.glob("*.cu"), *cuda_dir.glob("*.cpp")])
+    nvcc_flags = ["-O3", "--threads", os.environ.get("NVCC_THREADS", "2"), "-lineinfo"]
+    return CUDAExtension(
+        "torch_ln._C",
+        sources,
+        include_dirs=_cuda_wheel_include_dirs(),
+        extra_compile_args={"cxx": cxx_flags + ["-DTORCH_LN_WITH_CUDA"], "nvcc": nvcc_flags},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+def _write_build_info() -> None:
+    (ROOT / "torch_ln" / "_build_info.py").write_text(
+        '"""Written by setup.py: what this build of torch_ln was compiled against."""\n\n'
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"WITH_CUDA = {_with_cuda()!r}\n"
+        f"CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST', '') if _with_cuda() else ''!r}\n"
+    )
+
+
+ext = _extension()
+_write_build_info()
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

@@ -1,0 +1,236 @@
+"""The CUDA kernels, run on the CPU under the SIMT emulation (csrc/emulated).
+
+The kernels, their launch planning and their host launchers are the exact code
+the CUDA build compiles; only the device layer differs. scripts/test.sh runs this
+file under AddressSanitizer and UndefinedBehaviorSanitizer, so an out-of-bounds
+or misaligned access fails it. The emulated device has 2 SMs of 2048 threads.
+
+Which case covers which path (plans from csrc/cuda/launch_plan.h):
+- short rows, several rows per warp (tpr < 32): D=1, D=7, D=64
+- a warp per row, 4 rows per block (tpr = 32): D=1024 float32 (256 vectors / 8)
+- several warps per row, 2 rows per block (tpr = 64, cross-warp reduction): D=2048 float32
+- a block per row (tpr >= 128): D=4096 bfloat16 (512 vectors / 4 = 128)
+- forward multi-pass: D=40000 float32 (> 8 x 1024 vectors of 4), D=33001 (scalar, > 32 x 1024);
+  backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512)
+- 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
+  (7, 1021, 9001) and unaligned pointers (a view starting one element in)
+- the weight-gradient partial sums over many slots with many rows each: M=1500
+- M=0 and M=1; every dtype, mixed precision, with and without weight and bias
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import emulated_build as build
+
+SANITIZED = build.load()
+ops = torch.ops.torch_ln_emulated
+
+# Forward and backward errors against a float64 reference may be at most twice
+# torch's own CPU error in the same dtype, plus this floor: the floor covers
+# outputs where torch happens to be exact (error 0) while a different but
+# equally valid summation order rounds once (half an ulp of a result near 1-4).
+FLOOR = {torch.float32: 1e-6, torch.float64: 1e-13, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Weight/bias gradients sum M rows: rounding grows with sqrt(M) in the worst order.
+GRAD_PARAM_FLOOR_PER_SQRT_ROW = {torch.float32: 1e-6, torch.float64: 1e-13, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _random(n, generator, dtype, offset=0):
+    """n values starting `offset` elements into a fresh allocation."""
+    return torch.randn(n + offset, generator=generator, dtype=torch.float64).to(dtype)[offset:]
+
+
+def _inputs(rows, cols, dtype, param_dtype, affine, unaligned=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = _random(rows * cols, g, dtype, offset=int("input" in unaligned)).view(rows, cols)
+    weight = _random(cols, g, param_dtype, offset=int("weight" in unaligned)) if affine[0] else None
+    bias = torch.randn(cols, generator=g, dtype=torch.float64).to(param_dtype) if affine[1] else None
+    dy = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
+    return x, weight, bias, dy
+
+
+def _grads_of(fn, x, weight, bias, dy):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias)]
+    y = fn(*leaves)
+    y.backward(dy.to(y.dtype))
+    return [y.detach()] + [t.grad if t is not None else None for t in leaves]
+
+
+def _torch_norm(kind, eps):
+    if kind == "layer":
+        return lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, eps)
+    return lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, eps)
+
+
+def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True)):
+    """Forward and backward through the emulated kernels: y, dx, dweight, dbias, and the statistics."""
+    shape = [x.shape[-1]]
+    if kind == "layer":
+        y, mean, rstd = ops.layer_norm_fwd(x, shape, weight, bias, eps)
+        dx, dw, db = ops.layer_norm_bwd(dy, x, shape, mean, rstd, weight, bias, list(mask))
+        return [y, dx, dw, db], (mean, rstd)
+    y, rstd = ops.rms_norm_fwd(x, shape, weight, eps)
+    dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]))
+    return [y, dx, dw, None], (rstd,)
+
+
+def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5):
+    ours, stats = _emulated(kind, x, weight, bias, dy, eps)
+    fn = _torch_norm(kind, eps)
+    # torch's CPU backward rejects a float32 bias with no weight beside a half input;
+    # a weight of ones gives it the same computation.
+    torch_weight = weight
+    if weight is None and bias is not None and bias.dtype != x.dtype:
+        torch_weight = torch.ones_like(bias)
+    theirs = _grads_of(fn, x, torch_weight, bias, dy)
+    theirs[2] = None if weight is None else theirs[2]
+    exact = _grads_of(fn, x.double(), *(t.double() if t is not None else None for t in (weight, bias, dy)))
+    names = ["y", "dx", "dweight", "dbias"]
+    rows = x.shape[0]
+    for name, o, t, e in zip(names, ours, theirs, exact):
+        if e is None:
+            continue
+        assert o is not None and o.dtype == t.dtype and o.shape == t.shape, name
+        floor = FLOOR[x.dtype] if name in ("y", "dx") else GRAD_PARAM_FLOOR_PER_SQRT_ROW[x.dtype] * max(1, rows) ** 0.5
+        # Parameter gradients have the parameter's dtype: float32 ones get float32's floor.
+        if o.dtype == torch.float32 and name in ("dweight", "dbias"):
+            floor = FLOOR[torch.float32] * max(1, rows) ** 0.5
+        err_ours = (o.double() - e).abs().max().item() if o.numel() else 0.0
+        err_torch = (t.double() - e).abs().max().item() if t.numel() else 0.0
+        assert err_ours <= 2 * err_torch + floor, f"{name}: error {err_ours:.3g} vs torch's {err_torch:.3g}"
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    assert all(s.dtype == acc and s.numel() == rows for s in stats)
+    return ours
+
+
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),  # mixed precision
+    (torch.bfloat16, torch.float32),  # mixed precision
+]
+# (weight, bias) present: every combination for LayerNorm; RMSNorm has no bias.
+KIND_AFFINE = [("layer", (w, b)) for w in (True, False) for b in (True, False)] + [
+    ("rms", (True, False)),
+    ("rms", (False, False)),
+]
+
+
+@pytest.mark.parametrize("kind,affine", KIND_AFFINE)
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,cols",
+    [
+        (3, 1),  # D=1: the variance is exactly 0
+        (5, 7),  # odd: the scalar path, several rows per warp
+        (33, 64),  # short rows in vectors, tpr < 32; 33 rows leave a partial tile
+        (6, 1024),  # a warp per row (float32), 4 rows per block
+        (1, 1021),  # prime D on the scalar path, M = 1
+    ],
+)
+def test_layouts_every_dtype(kind, affine, dtype, param_dtype, rows, cols):
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, affine)
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,rows,cols",
+    [
+        (torch.float32, 3, 2048),  # several warps per row, 2 rows per block: cross-warp reduction
+        (torch.bfloat16, 2, 4096),  # a block of 128 threads per row
+        (torch.float32, 2, 9000),  # backward multi-pass (more than 2048 vectors), forward in registers
+        (torch.bfloat16, 2, 16384),  # backward multi-pass with 16-byte vectors of 8
+        (torch.float32, 2, 40000),  # forward multi-pass too
+        (torch.float32, 2, 9001),  # backward multi-pass on the scalar path (prime D)
+        (torch.float32, 1, 33001),  # forward multi-pass on the scalar path
+    ],
+)
+def test_long_rows(kind, dtype, rows, cols):
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("cols", [64, 1024, 9000])
+@pytest.mark.parametrize("unaligned", ["input", "weight"])
+def test_unaligned_pointer(kind, dtype, cols, unaligned):
+    # The tensor starts one element past an allocation: 16-byte vectors would be misaligned
+    # (UBSan and the GPU would fault), so the scalar path must run.
+    x, weight, bias, dy = _inputs(4, cols, dtype, dtype, (True, kind == "layer"), unaligned=(unaligned,))
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", [64, 1000])
+def test_many_slots_of_partial_sums(kind, cols):
+    # 1500 rows on a 2-SM device: the backward grid is capped at one wave, so each slot
+    # sums many rows and the final reduction adds many slots.
+    x, weight, bias, dy = _inputs(1500, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_no_rows(kind):
+    x, weight, bias, dy = _inputs(0, 16, torch.float32, torch.float32, (True, kind == "layer"))
+    (y, dx, dw, db), _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    assert y.shape == (0, 16) and dx.shape == (0, 16)
+    assert torch.equal(dw, torch.zeros(16))
+    assert db is None or torch.equal(db, torch.zeros(16))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_output_mask(kind):
+    x, weight, bias, dy = _inputs(8, 64, torch.float32, torch.float32, (True, kind == "layer"))
+    full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    only_dx, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(True, False, False))
+    only_dw, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(False, True, False))
+    assert torch.equal(only_dx[1], full[1]) and only_dx[2].numel() == 0
+    assert only_dw[1].numel() == 0 and torch.equal(only_dw[2], full[2])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", [64, 1024, 9000])
+def test_deterministic(kind, cols):
+    x, weight, bias, dy = _inputs(300, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    first, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    second, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    for a, b in zip(first, second):
+        assert a is None or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", [7, 64, 2048, 9000])
+def test_batch_invariant(kind, cols):
+    # Row 5 alone, and inside batches of 6 and 300 rows (other grids, other slots).
+    x, weight, bias, dy = _inputs(300, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    alone, _ = _emulated(kind, x[5:6].clone(), weight, bias, dy[5:6].clone(), 1e-5)
+    for rows in (6, 300):
+        batch, _ = _emulated(kind, x[:rows], weight, bias, dy[:rows], 1e-5)
+        assert torch.equal(batch[0][5], alone[0][0]), "forward"
+        assert torch.equal(batch[1][5], alone[1][0]), "dx"
+
+
+def test_large_mean_small_spread():
+    # float32 rows with mean 1e3 and std 1e-1: E[x^2] - E[x]^2 would lose every digit.
+    g = torch.Generator().manual_seed(1)
+    x = (1e3 + 1e-1 * torch.randn(16, 1024, generator=g, dtype=torch.float64)).float()
+    y = ops.layer_norm_fwd(x, [1024], None, None, 1e-5)[0]
+    exact = F.layer_norm(x.double(), [1024], eps=1e-5)
+    err_torch = (F.layer_norm(x, [1024], eps=1e-5).double() - exact).abs().max().item()
+    assert (y.double() - exact).abs().max().item() <= 2 * err_torch + 1e-6
+
+
+@pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/test.sh requires them")
+def test_sanitizers_active():
+    # scripts/test.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
+    # preload the build would silently be the plain one.
+    assert SANITIZED

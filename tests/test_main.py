@@ -1,0 +1,50 @@
+"""`python -m torch_ln`: the self-check exits 0 and prints its model check and timing table.
+
+It times real shapes, so this runs it once (about a minute and a half on a 2-core CPU) and
+checks everything on that one output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torch_ln.__main__ as self_check
+
+
+@pytest.fixture(scope="module")
+def result():
+    return subprocess.run(
+        [sys.executable, "-m", "torch_ln"], capture_output=True, text=True, timeout=600, env=dict(os.environ)
+    )
+
+
+def test_exits_zero_and_passes(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.rstrip().splitlines()[-1] == "PASS"
+
+
+def test_model_check_line(result):
+    lines = [line for line in result.stdout.splitlines() if line.startswith("model check:")]
+    assert len(lines) == 1, result.stdout
+    assert "7/7 norms replaced" in lines[0]
+    assert lines[0].endswith("-> PASS")
+
+
+def test_timing_table(result):
+    lines = result.stdout.splitlines()
+    headers = [line for line in lines if line.split()[:3] == ["dtype", "mode", "D"]]
+    assert len(headers) == 2, result.stdout  # one table per op
+    for op in ("layer_norm:", "rms_norm:"):
+        assert op in lines
+    rows = [line.split() for line in lines if line.split()[:1] in (["float32"], ["bfloat16"])]
+    # 2 ops x 2 dtypes x (fwd, fwd+bwd) x the shapes x (torch_ln, torch)
+    assert len(rows) == 2 * 2 * 2 * len(self_check.SHAPES) * 2, result.stdout
+    ours = [row for row in rows if row[4] == "torch_ln"]
+    assert len(ours) == len(rows) // 2
+    for row in ours:
+        assert row[-1] == "ok", f"torch_ln row not ok: {' '.join(row)}"
+        assert float(row[5]) > 0  # a time in ms

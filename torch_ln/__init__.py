@@ -1,0 +1,14 @@
+"""torch_ln: fast, deterministic LayerNorm and RMSNorm for PyTorch, as torch.library operators.
+
+Entry points: :func:`layer_norm`, :func:`rms_norm` (functional), :class:`LayerNorm`,
+:class:`RMSNorm` (drop-ins for the torch.nn modules) and :func:`replace_norms`.
+"""
+
+from torch_ln import _extension
+
+_extension.load()
+
+from torch_ln.modules import LayerNorm, RMSNorm, replace_norms  # noqa: E402
+from torch_ln.ops import layer_norm, rms_norm  # noqa: E402
+
+__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "replace_norms", "rms_norm"]

@@ -1,0 +1,89 @@
+"""``python -m torch_ln``: checks torch_ln against torch in small models, then times a few typical shapes.
+
+Runs on CUDA when available, else on the CPU; exits non-zero if any result disagrees with torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from torch import nn
+
+import torch_ln
+from torch_ln import benchmark
+
+SHAPES = ((4096, 768), (2048, 4096), (512, 8192))
+TOLERANCE = 1e-4  # float32 models: only the norms' rounding differs
+
+
+def _model(device: str) -> nn.Module:
+    """A pre-norm transformer encoder with a final LayerNorm, followed by an MLP with RMSNorms."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True, norm_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, norm=nn.LayerNorm(64), enable_nested_tensor=False)
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.RMSNorm(128), nn.GELU(), nn.Linear(128, 64), nn.RMSNorm(64))
+    return nn.Sequential(encoder, mlp).to(device)
+
+
+def _forward_backward(model: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    """The output, the input's gradient and every parameter's gradient, in a fixed order."""
+    x = x.clone().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+def check_models(device: str) -> bool:
+    """Compares a model with its torch_ln-swapped copy; prints the largest differences and PASS/FAIL."""
+    model = _model(device)
+    swapped = torch_ln.replace_norms(copy.deepcopy(model))
+    norms = sum(isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for m in model.modules())
+    replaced = sum(isinstance(m, (torch_ln.LayerNorm, torch_ln.RMSNorm)) for m in swapped.modules())
+    x = torch.randn(4, 32, 64, device=device)
+    dy = torch.randn(4, 32, 64, device=device)
+    want, got = _forward_backward(model, x, dy), _forward_backward(swapped, x, dy)
+    diffs = [(g - w).abs().max().item() for g, w in zip(got, want)]
+    ok = replaced == norms and max(diffs) <= TOLERANCE
+    print(
+        f"model check: {replaced}/{norms} norms replaced; max abs diff: output {diffs[0]:.2e}, "
+        f"input grad {diffs[1]:.2e}, parameter grads {max(diffs[2:]):.2e} -> {'PASS' if ok else 'FAIL'}"
+    )
+    return ok
+
+
+def time_shapes(device: str) -> bool:
+    """Prints torch_ln against torch eager on SHAPES; returns whether all torch_ln's results were accurate."""
+    copy_gbps = benchmark.copy_bandwidth(device, 256 * 2**20)
+    print(f"\ncopy bandwidth: {copy_gbps:.1f} GB/s; timing torch_ln against torch eager:")
+    rows = []
+    for op in benchmark.OPS:
+        print(f"{op}:")
+        benchmark.print_header()
+        for dtype in (torch.float32, torch.bfloat16):
+            for mode in ("fwd", "fwd+bwd"):
+                for M, D in SHAPES:
+                    for row in benchmark.run_case(
+                        op, device, dtype, mode, M, D, ["torch_ln", "torch"], benchmark.QUICK, copy_gbps
+                    ):
+                        benchmark.print_row(row)
+                        rows.append(row)
+    return all(row.check == "ok" for row in rows if row.provider == "torch_ln")
+
+
+def main() -> int:
+    """Runs the self-check; returns the exit status."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(
+        f"torch_ln self-check on {benchmark.device_name(device)}; torch {torch.__version__}; "
+        f"extension has CUDA kernels: {torch_ln._extension.cuda_compiled()}"
+    )
+    ok = check_models(device)
+    ok &= time_shapes(device)
+    print("\nPASS" if ok else "\nFAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

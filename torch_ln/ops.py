@@ -1,0 +1,189 @@
+"""Python face of the torch_ln operators: wrappers, fake kernels, autograd, autocast.
+
+The schemas live in csrc/norm_ops.cpp; the kernels in csrc/cpu and csrc/cuda.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torch_ln import reference
+
+__all__ = ["layer_norm", "rms_norm"]
+
+_ops = torch.ops.torch_ln
+
+
+def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
+    return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Layer normalization over the trailing ``normalized_shape`` dimensions.
+
+    Same signature and results as :func:`torch.nn.functional.layer_norm`. float16 and
+    bfloat16 inputs may come with float32 ``weight``/``bias`` (the output keeps the
+    input's dtype); statistics are accumulated in float32 (float64 for float64 input).
+    """
+    return _ops.layer_norm_fwd(input, _as_shape(normalized_shape), weight, bias, eps)[0]
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    """Root-mean-square normalization, as :func:`torch.nn.functional.rms_norm`.
+
+    ``eps=None`` uses torch's default: the machine epsilon of the accumulation dtype
+    (float32's for float16/bfloat16/float32 input, float64's for float64 input).
+    """
+    return _ops.rms_norm_fwd(input, _as_shape(normalized_shape), weight, eps)[0]
+
+
+# Fake kernels: shapes and dtypes only, for torch.compile and torch.export.
+
+
+def _accumulation_dtype(input: Tensor) -> torch.dtype:
+    return torch.float64 if input.dtype == torch.float64 else torch.float32
+
+
+def _statistics(input: Tensor, normalized_shape: Sequence[int]) -> Tensor:
+    axis = input.dim() - len(normalized_shape)
+    shape = list(input.shape[:axis]) + [1] * len(normalized_shape)
+    return input.new_empty(shape, dtype=_accumulation_dtype(input))
+
+
+def _unrequested(input: Tensor) -> Tensor:
+    return input.new_empty((0,))
+
+
+@torch.library.register_fake("torch_ln::layer_norm_fwd")
+def _(input, normalized_shape, weight, bias, eps):
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format),
+        _statistics(input, normalized_shape),
+        _statistics(input, normalized_shape),
+    )
+
+
+@torch.library.register_fake("torch_ln::rms_norm_fwd")
+def _(input, normalized_shape, weight, eps):
+    return torch.empty_like(input, memory_format=torch.contiguous_format), _statistics(input, normalized_shape)
+
+
+def _fake_grads(input: Tensor, params: Sequence[Tensor | None], output_mask: Sequence[bool]) -> tuple[Tensor, ...]:
+    dx = torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else _unrequested(input)
+    grads = [
+        torch.empty_like(p, memory_format=torch.contiguous_format) if wanted and p is not None else _unrequested(input)
+        for p, wanted in zip(params, output_mask[1:])
+    ]
+    return (dx, *grads)
+
+
+@torch.library.register_fake("torch_ln::layer_norm_bwd")
+def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    return _fake_grads(input, (weight, bias), output_mask)
+
+
+@torch.library.register_fake("torch_ln::rms_norm_bwd")
+def _(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    return _fake_grads(input, (weight,), output_mask)
+
+
+# Autograd. The forward saves mean and rstd; the backward kernels use them and
+# never recompute the statistics. When the backward itself must be
+# differentiable (create_graph=True, for double backward), the gradients come
+# from differentiating the pure-torch reference instead, so that their
+# dependence on the input, weight and grad_out is part of the graph.
+
+
+def _save_for_backward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, statistics: tuple) -> None:
+    """Saves only what the requested gradients need: dbias alone needs none of it."""
+    needs_dx, _, needs_dweight, *rest = ctx.needs_input_grad
+    keep = needs_dx or needs_dweight
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    kept = (input, weight, bias, *statistics) if keep else (None,) * (3 + len(statistics))
+    ctx.save_for_backward(*kept)
+
+
+def _sum_rows(grad_out: Tensor, normalized_shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    batch_dims = list(range(grad_out.dim() - len(normalized_shape)))
+    return grad_out.sum(batch_dims, dtype=torch.float64 if dtype == torch.float64 else torch.float32).to(dtype)
+
+
+def _differentiable_grads(norm, grad_out: Tensor, tensors: tuple, needs: tuple, *args) -> list[Tensor | None]:
+    """Gradients of `norm(input, normalized_shape, weight[, bias], eps)` that are themselves differentiable."""
+    wanted = [t for t, need in zip(tensors, needs) if need]
+    with torch.enable_grad():
+        out = norm(*tensors[:1], *args[:1], *tensors[1:], *args[1:])
+    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True))
+    return [next(grads) if need else None for need in needs]
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    input, normalized_shape, weight, bias, eps = inputs
+    ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
+    _save_for_backward(ctx, input, weight, bias, output[1:])
+
+
+def _layer_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    input, weight, bias, mean, rstd = ctx.saved_tensors
+    needs_dx, _, needs_dweight, needs_dbias, _ = ctx.needs_input_grad
+    if input is None:
+        return None, None, None, _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype), None
+    if _needs_double_backward(grad_out, input, weight, bias):
+        dx, dweight, dbias = _differentiable_grads(
+            reference.layer_norm,
+            grad_out,
+            (input, weight, bias),
+            (needs_dx, needs_dweight, needs_dbias),
+            ctx.normalized_shape,
+            ctx.eps,
+        )
+    else:
+        dx, dweight, dbias = _ops.layer_norm_bwd(
+            grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, [needs_dx, needs_dweight, needs_dbias]
+        )
+    return (dx if needs_dx else None, None, dweight if needs_dweight else None, dbias if needs_dbias else None, None)
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    input, normalized_shape, weight, eps = inputs
+    ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
+    _save_for_backward(ctx, input, weight, None, output[1:])
+
+
+def _rms_norm_backward(ctx, grad_out, _grad_rstd):
+    input, weight, _, rstd = ctx.saved_tensors
+    needs_dx, _, needs_dweight, _ = ctx.needs_input_grad
+    if _needs_double_backward(grad_out, input, weight):
+        dx, dweight = _differentiable_grads(
+            reference.rms_norm, grad_out, (input, weight), (needs_dx, needs_dweight), ctx.normalized_shape, ctx.eps
+        )
+    else:
+        dx, dweight = _ops.rms_norm_bwd(grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight])
+    return dx if needs_dx else None, None, dweight if needs_dweight else None, None
+
+
+def _needs_double_backward(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+torch.library.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)
+torch.library.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+# Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln.
+# (CPU autocast leaves both at the input's dtype, which needs no registration.)
+for _op in ("torch_ln::layer_norm_fwd", "torch_ln::rms_norm_fwd"):
+    torch.library.register_autocast(_op, "cuda", torch.float32)
