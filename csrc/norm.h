@@ -3,6 +3,8 @@
 // CUDA) implements. The operators themselves are written once, in norm_ops.h.
 #pragma once
 
+#include "norm_kind.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -10,10 +12,6 @@
 #include <optional>
 
 namespace torch_ln {
-
-// Which normalization a kernel computes. RMSNorm is LayerNorm without the mean
-// term, so every kernel is one template over this parameter.
-enum class NormKind { LayerNorm, RMSNorm };
 
 // Arguments of one forward call, already validated. x and y are [M, D] and
 // contiguous; weight and bias are [D] contiguous or undefined; mean and rstd

@@ -244,7 +244,9 @@ def max_error(t: torch.Tensor, ref64: torch.Tensor) -> float:
     return (t.double() - ref64).abs().max().item() if t.numel() else 0.0
 
 
-def assert_accuracy(name: str, ours: torch.Tensor, theirs: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype, rows: int) -> None:
+def assert_accuracy(
+    name: str, ours: torch.Tensor, theirs: torch.Tensor, ref64: torch.Tensor, dtype: torch.dtype, rows: int
+) -> None:
     """The accuracy rule (module docstring): ours is at most 2x torch's error from ref64, plus the floor."""
     scale = max(1.0, ref64.abs().max().item() if ref64.numel() else 0.0)
     floor = TOLERANCES[dtype].floor_ulps * torch.finfo(dtype).eps * scale

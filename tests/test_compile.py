@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from torch import nn
 from functorch.compile import make_boxed_func
+from norm_cases import DEVICES
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import torch_ln
-from norm_cases import DEVICES
 
 # Compiled code may fuse the Linear layers' epilogues differently from eager: float32
 # results agree to a few ulps times the depth of the model.
@@ -56,8 +56,8 @@ def _forward_backward(model, x, grad_out):
 
 def _assert_same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+    for name, expected in want.items():
+        torch.testing.assert_close(got[name], expected, atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

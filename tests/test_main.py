@@ -18,7 +18,12 @@ import torch_ln.__main__ as self_check
 @pytest.fixture(scope="module")
 def result():
     return subprocess.run(
-        [sys.executable, "-m", "torch_ln"], capture_output=True, text=True, timeout=600, env=dict(os.environ)
+        [sys.executable, "-m", "torch_ln"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+        check=False,
     )
 
 

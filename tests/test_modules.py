@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from norm_cases import DEVICES, LAYER_NORM, NORMS, RMS_NORM, TOLERANCES, assert_close_to_torch
 from torch import nn
 
 import torch_ln
-from norm_cases import DEVICES, LAYER_NORM, NORMS, RMS_NORM, TOLERANCES, assert_close_to_torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 
@@ -147,8 +147,10 @@ def _forward_backward(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor)
 
 def _assert_same_results(swapped: dict, original: dict, atol=1e-5, rtol=1e-5) -> None:
     assert swapped.keys() == original.keys()
-    for name in original:
-        torch.testing.assert_close(swapped[name], original[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    for name, expected in original.items():
+        torch.testing.assert_close(
+            swapped[name], expected, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _check_swap(model: nn.Module, x: torch.Tensor, expected_norms: int) -> nn.Module:
@@ -185,10 +187,12 @@ def _check_swap(model: nn.Module, x: torch.Tensor, expected_norms: int) -> nn.Mo
 @pytest.mark.parametrize("final_norm", [False, True])
 @pytest.mark.parametrize("norm_first", [True, False])
 def test_replace_norms_transformer_encoder(norm_first, final_norm, device):
-    layer = nn.TransformerEncoderLayer(32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True,
-                                       norm_first=norm_first)
-    model = nn.TransformerEncoder(layer, num_layers=2, norm=nn.LayerNorm(32) if final_norm else None,
-                                  enable_nested_tensor=False).to(device)
+    layer = nn.TransformerEncoderLayer(
+        32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True, norm_first=norm_first
+    )
+    model = nn.TransformerEncoder(
+        layer, num_layers=2, norm=nn.LayerNorm(32) if final_norm else None, enable_nested_tensor=False
+    ).to(device)
     with torch.no_grad():  # non-trivial norm parameters
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
@@ -228,10 +232,10 @@ def test_replace_norms_shared_norm_stays_shared(layout):
     shared = nn.LayerNorm(8)
     if layout == "same-parent":
         model = nn.Sequential(nn.Linear(8, 8), shared, nn.Linear(8, 8), shared)
-        slots = lambda: (model[1], model[3])  # noqa: E731
+        slots = lambda: (model[1], model[3])
     else:
         model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), shared), nn.Sequential(shared))
-        slots = lambda: (model[0][1], model[1][0])  # noqa: E731
+        slots = lambda: (model[0][1], model[1][0])
     torch_ln.replace_norms(model)
     first, second = slots()
     assert type(first) is torch_ln.LayerNorm and type(second) is torch_ln.LayerNorm

@@ -52,8 +52,10 @@ def replace_norms(model: nn.Module) -> nn.Module:
         return swapped[id(module)]
 
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            parent._modules[name] = convert(child)
+        # _modules, not named_children(): a module held in two slots of one parent is listed once there.
+        for name, child in list(parent._modules.items()):
+            if child is not None:
+                parent._modules[name] = convert(child)
     return convert(model)
 
 

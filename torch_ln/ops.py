@@ -118,8 +118,12 @@ def _save_for_backward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor |
 
 
 def _sum_rows(grad_out: Tensor, normalized_shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """The bias gradient: grad_out summed over the batch dimensions, accumulated in float32 (float64)."""
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
     batch_dims = list(range(grad_out.dim() - len(normalized_shape)))
-    return grad_out.sum(batch_dims, dtype=torch.float64 if dtype == torch.float64 else torch.float32).to(dtype)
+    if not batch_dims:  # sum([]) would sum everything
+        return grad_out.to(dtype)
+    return grad_out.sum(batch_dims, dtype=accumulate).to(dtype)
 
 
 def _differentiable_grads(norm, grad_out: Tensor, tensors: tuple, needs: tuple, *args) -> list[Tensor | None]:

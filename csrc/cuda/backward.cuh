@@ -8,7 +8,7 @@
 //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy.
 #pragma once
 
-#include "../norm.h"
+#include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
 
@@ -40,13 +40,14 @@ TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t ro
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     xhat[j] = (xhat[j] - mean) * rstd;
-    const acc_t g = p.weight != nullptr ? dy[j] * w[j] : dy[j];
+    const acc_t g = p.weight != nullptr ? dev::mul_rn(dy[j], w[j]) : dy[j];
     sum_g += g;
     sum_g_xhat += g * xhat[j];
   }
 }
 
-// dx for one vector, from the row's reduced sums (already divided by D).
+// dx for one vector, from the row's reduced sums (already divided by D). g is
+// rounded exactly as in load_xhat_and_g (mul_rn), so with D = 1 dx is exactly 0.
 template <NormKind KIND, int VEC, typename T, typename W, typename acc_t>
 TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, const acc_t (&xhat)[VEC],
                          const acc_t (&dy)[VEC], acc_t rstd, acc_t mean_g, acc_t mean_g_xhat) {
@@ -54,7 +55,7 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int6
   if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const acc_t g = p.weight != nullptr ? dy[j] * w[j] : dy[j];
+    const acc_t g = p.weight != nullptr ? dev::mul_rn(dy[j], w[j]) : dy[j];
     const acc_t centred = KIND == NormKind::LayerNorm ? g - mean_g : g;
     dx[j] = rstd * (centred - xhat[j] * mean_g_xhat);
   }
@@ -65,7 +66,8 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int6
 // threads) walks rows slot, slot + slots, ... and keeps its share of the
 // weight/bias gradient sums in registers, written once at the end.
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
+norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int tpr = p.threads_per_row;
   const int lane = dev::thread_x() % tpr;
@@ -128,7 +130,8 @@ TLN_DEVICE void accumulate_partial(acc_t* partial, int64_t i, const acc_t (&v)[V
 // (the sums, then dx and the gradient terms added to the slot's zero-initialized
 // partial rows).
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
-TLN_KERNEL void norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
+norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;

@@ -13,6 +13,9 @@
 #include <cuda_runtime.h>
 
 #define TLN_KERNEL __global__
+// The most threads a kernel is launched with: the compiler keeps its registers
+// within what a block of that size can have, so the launch cannot fail for lack of them.
+#define TLN_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads)
 #define TLN_DEVICE __device__ __forceinline__
 // Fixed-size shared memory for the block.
 #define TLN_STATIC_SHARED(type, name, count) __shared__ type name[count]
@@ -46,6 +49,9 @@ TLN_DEVICE T* dynamic_shared() {
 
 TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
 TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
+// A product rounded on its own, never fused into a following add.
+TLN_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+TLN_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
 template <typename... Params, typename... Args>
@@ -66,6 +72,7 @@ void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes,
 #include "../emulated/simt_emulator.h"
 
 #define TLN_KERNEL
+#define TLN_LAUNCH_BOUNDS(max_threads)
 #define TLN_DEVICE inline
 // One array shared by every emulated thread; blocks run one at a time, so
 // per-block semantics hold.
@@ -98,6 +105,10 @@ T* dynamic_shared() {
 
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+template <typename T>
+T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
+  return a * b;
+}
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {

@@ -2,7 +2,7 @@
 // LayerNorm and RMSNorm (RMSNorm is the same computation with mean = 0).
 #pragma once
 
-#include "../norm.h"
+#include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
 
@@ -68,7 +68,8 @@ TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t
 // global memory once. Threads [r * tpr, (r + 1) * tpr) of a block share row r;
 // a thread's vectors are strided by tpr so that a warp's loads are contiguous.
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
+norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int tpr = p.threads_per_row;
   const int lane = dev::thread_x() % tpr;
@@ -113,7 +114,8 @@ TLN_KERNEL void norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
 // Rows too long for registers: a block per row, three passes over the row
 // (sum, squared deviations, normalize); the later passes mostly hit L2.
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
-TLN_KERNEL void norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
+norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;

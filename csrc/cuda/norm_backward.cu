@@ -1,5 +1,5 @@
 #include "cuda_context.cuh"
-#include "launch.h"
+#include "backward_launch.h"
 #include "norm_cuda.h"
 
 namespace torch_ln {

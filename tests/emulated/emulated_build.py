@@ -14,7 +14,13 @@ import torch
 from torch.utils import cpp_extension
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["csrc/norm_ops.cpp", "csrc/emulated/simt_emulator.cpp", "csrc/emulated/emulated_ops.cpp"]
+SOURCES = [
+    "csrc/norm_ops.cpp",
+    "csrc/emulated/simt_emulator.cpp",
+    "csrc/emulated/emulated_ops.cpp",
+    "csrc/emulated/emulated_forward.cpp",
+    "csrc/emulated/emulated_backward.cpp",
+]
 SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 
 
@@ -28,7 +34,8 @@ def load() -> bool:
     name = "torch_ln_emulated_asan" if sanitized else "torch_ln_emulated"
     build_dir = ROOT / "build" / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O1", "-g", *SANITIZERS] if sanitized else ["-O2"]
+    # -ffp-contract=off as in setup.py: the emulated kernels round like the CUDA ones (mul_rn).
+    flags = ["-ffp-contract=off", *(["-O1", "-g", *SANITIZERS] if sanitized else ["-O2"])]
     cpp_extension.load(
         name=name,
         sources=[str(ROOT / s) for s in SOURCES],

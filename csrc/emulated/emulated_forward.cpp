@@ -1,0 +1,10 @@
+#include "../cuda/forward_launch.h"
+#include "emulated_kernels.h"
+
+namespace torch_ln {
+
+void emulated_norm_forward(NormKind kind, const ForwardArgs& args) {
+  launch_norm_forward(kind, args, kEmulatedDevice, dev::Stream{});
+}
+
+}  // namespace torch_ln

@@ -1,0 +1,16 @@
+// Entry points of the emulated CUDA kernels (emulated_forward.cpp, emulated_backward.cpp).
+#pragma once
+
+#include "../cuda/launch_plan.h"
+#include "../norm.h"
+
+namespace torch_ln {
+
+// A small pretend GPU: two SMs, so that the backward's weight-gradient partial
+// sums span several slots with several rows each even on small inputs.
+constexpr DeviceLimits kEmulatedDevice{2, 2048};
+
+void emulated_norm_forward(NormKind kind, const ForwardArgs& args);
+void emulated_norm_backward(NormKind kind, const BackwardArgs& args);
+
+}  // namespace torch_ln
