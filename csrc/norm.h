@@ -3,13 +3,13 @@
 // CUDA) implements. The operators themselves are written once, in norm_ops.h.
 #pragma once
 
-#include "norm_kind.h"
-
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+
+#include "norm_kind.h"
 
 namespace torch_ln {
 

@@ -22,24 +22,24 @@ void check_parameter(const char* op, const char* name, const at::Tensor& p, cons
   TORCH_CHECK_VALUE(p.sizes() == normalized_shape, "torch_ln.", op, ": expected ", name,
                     " to have shape normalized_shape=", normalized_shape, ", but got ", name, ".shape=", p.sizes());
   const bool reduced = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_TYPE(p.scalar_type() == input.scalar_type() || (reduced && p.scalar_type() == at::kFloat),
-                   "torch_ln.", op, ": expected ", name, " to have the input's dtype (", input.scalar_type(), ")",
+  TORCH_CHECK_TYPE(p.scalar_type() == input.scalar_type() || (reduced && p.scalar_type() == at::kFloat), "torch_ln.",
+                   op, ": expected ", name, " to have the input's dtype (", input.scalar_type(), ")",
                    reduced ? " or float32" : "", ", but got ", name, ".dtype=", p.scalar_type());
-  TORCH_CHECK_VALUE(p.device() == input.device(), "torch_ln.", op, ": expected ", name,
-                    " on the input's device (", input.device(), "), but got ", name, ".device=", p.device());
+  TORCH_CHECK_VALUE(p.device() == input.device(), "torch_ln.", op, ": expected ", name, " on the input's device (",
+                    input.device(), "), but got ", name, ".device=", p.device());
 }
 
 }  // namespace
 
 RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntArrayRef normalized_shape,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_TYPE(is_supported_dtype(input.scalar_type()), "torch_ln.", op,
-                   ": expected input of dtype float32, float64, float16 or bfloat16, but got input.dtype=",
-                   input.scalar_type());
+  TORCH_CHECK_TYPE(
+      is_supported_dtype(input.scalar_type()), "torch_ln.", op,
+      ": expected input of dtype float32, float64, float16 or bfloat16, but got input.dtype=", input.scalar_type());
   const int64_t norm_ndim = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK_VALUE(norm_ndim >= 1, "torch_ln.", op,
-                    ": expected normalized_shape to have at least one dimension, but got normalized_shape=",
-                    normalized_shape);
+  TORCH_CHECK_VALUE(
+      norm_ndim >= 1, "torch_ln.", op,
+      ": expected normalized_shape to have at least one dimension, but got normalized_shape=", normalized_shape);
   for (const auto d : normalized_shape) {
     TORCH_CHECK_VALUE(d > 0, "torch_ln.", op, ": expected every entry of normalized_shape to be positive, but got ",
                       "normalized_shape=", normalized_shape);
@@ -52,8 +52,8 @@ RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntAr
   if (bias.has_value()) check_parameter(op, "bias", *bias, input, normalized_shape);
   if (weight.has_value() && bias.has_value()) {
     TORCH_CHECK_TYPE(weight->scalar_type() == bias->scalar_type(), "torch_ln.", op,
-                     ": expected weight and bias to have the same dtype, but got weight.dtype=",
-                     weight->scalar_type(), " and bias.dtype=", bias->scalar_type());
+                     ": expected weight and bias to have the same dtype, but got weight.dtype=", weight->scalar_type(),
+                     " and bias.dtype=", bias->scalar_type());
   }
   int64_t cols = 1;
   for (const auto d : normalized_shape) cols *= d;
@@ -63,8 +63,8 @@ RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntAr
 void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const RowShape& shape,
                            const at::Tensor& rstd, const std::optional<at::Tensor>& mean) {
   TORCH_CHECK_VALUE(grad_out.sizes() == input.sizes(), "torch_ln.", op,
-                    ": expected grad_out to have the input's shape ", input.sizes(), ", but got grad_out.shape=",
-                    grad_out.sizes());
+                    ": expected grad_out to have the input's shape ", input.sizes(),
+                    ", but got grad_out.shape=", grad_out.sizes());
   TORCH_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), "torch_ln.", op,
                    ": expected grad_out to have the input's dtype (", input.scalar_type(),
                    "), but got grad_out.dtype=", grad_out.scalar_type());

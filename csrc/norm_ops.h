@@ -3,13 +3,13 @@
 // register_norm_ops<Backend> with a type holding its NormKernels.
 #pragma once
 
-#include "norm.h"
-
 #include <ATen/ATen.h>
 
 #include <array>
 #include <tuple>
 #include <vector>
+
+#include "norm.h"
 
 namespace torch_ln {
 
@@ -49,9 +49,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
                                                               const std::optional<at::Tensor>& bias, double eps) {
   const RowShape s = check_forward_inputs("layer_norm", input, normalized_shape, weight, bias);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
-  ForwardArgs a{input.contiguous(), contiguous_or_undefined(weight), contiguous_or_undefined(bias), eps,
+  ForwardArgs a{input.contiguous(),
+                contiguous_or_undefined(weight),
+                contiguous_or_undefined(bias),
+                eps,
                 at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)),
-                at::empty({s.rows}, stat_opts), at::empty({s.rows}, stat_opts), s.rows, s.cols};
+                at::empty({s.rows}, stat_opts),
+                at::empty({s.rows}, stat_opts),
+                s.rows,
+                s.cols};
   if (s.rows > 0) Backend::kernels.forward(NormKind::LayerNorm, a);
   const auto stat_shape = statistics_shape(input, s.axis);
   return {a.y, a.mean.view(stat_shape), a.rstd.view(stat_shape)};
@@ -66,8 +72,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
                                                               std::array<bool, 3> output_mask) {
   const RowShape s = check_forward_inputs("layer_norm_backward", input, normalized_shape, weight, bias);
   check_backward_inputs("layer_norm_backward", grad_out, input, s, rstd, mean);
-  BackwardArgs a{grad_out.contiguous(), input.contiguous(), mean.contiguous().view({s.rows}),
-                 rstd.contiguous().view({s.rows}), contiguous_or_undefined(weight), {}, {}, {}, s.rows, s.cols};
+  BackwardArgs a{grad_out.contiguous(),
+                 input.contiguous(),
+                 mean.contiguous().view({s.rows}),
+                 rstd.contiguous().view({s.rows}),
+                 contiguous_or_undefined(weight),
+                 {},
+                 {},
+                 {},
+                 s.rows,
+                 s.cols};
   if (output_mask[0]) a.dx = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   const bool want_dweight = output_mask[1] && weight.has_value();
   const bool want_dbias = output_mask[2] && bias.has_value();
@@ -109,8 +123,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, cons
                                                 std::array<bool, 2> output_mask) {
   const RowShape s = check_forward_inputs("rms_norm_backward", input, normalized_shape, weight, std::nullopt);
   check_backward_inputs("rms_norm_backward", grad_out, input, s, rstd, std::nullopt);
-  BackwardArgs a{grad_out.contiguous(), input.contiguous(), {}, rstd.contiguous().view({s.rows}),
-                 contiguous_or_undefined(weight), {}, {}, {}, s.rows, s.cols};
+  BackwardArgs a{grad_out.contiguous(),
+                 input.contiguous(),
+                 {},
+                 rstd.contiguous().view({s.rows}),
+                 contiguous_or_undefined(weight),
+                 {},
+                 {},
+                 {},
+                 s.rows,
+                 s.cols};
   if (output_mask[0]) a.dx = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   const bool want_dweight = output_mask[1] && weight.has_value();
   if (want_dweight) a.dweight = at::empty_like(a.weight);

@@ -20,8 +20,8 @@ struct BackwardParams {
   const T* x;
   const acc_t* mean;  // nullptr for RMSNorm
   const acc_t* rstd;
-  const W* weight;  // nullptr: no weight
-  T* dx;            // nullptr: dx not requested
+  const W* weight;         // nullptr: no weight
+  T* dx;                   // nullptr: dx not requested
   acc_t* partial_dweight;  // [slots, cols], or nullptr when not requested
   acc_t* partial_dbias;    // [slots, cols], or nullptr when not requested
   int64_t rows, cols;
@@ -31,8 +31,8 @@ struct BackwardParams {
 // xhat and g for one vector at element offset i of `row`; adds this vector's
 // terms to the row sums of g and g * xhat.
 template <int VEC, typename T, typename W, typename acc_t>
-TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, acc_t mean,
-                                acc_t rstd, acc_t (&xhat)[VEC], acc_t (&dy)[VEC], acc_t& sum_g, acc_t& sum_g_xhat) {
+TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, acc_t mean, acc_t rstd,
+                                acc_t (&xhat)[VEC], acc_t (&dy)[VEC], acc_t& sum_g, acc_t& sum_g_xhat) {
   acc_t w[VEC];
   load_vec<VEC>(p.x + row * p.cols, i, xhat);
   load_vec<VEC>(p.dy + row * p.cols, i, dy);
@@ -62,22 +62,18 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int6
   store_vec<VEC>(p.dx + row * p.cols, i, dx);
 }
 
-// Rows held in registers (as in the forward). Each row-slot (a row's worth of
-// threads) walks rows slot, slot + slots, ... and keeps its share of the
+// Rows held in registers, laid out as in the forward. Each row-slot (a row's
+// worth of threads) walks rows slot, slot + slots, ... and keeps its share of the
 // weight/bias gradient sums in registers, written once at the end.
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
-norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
-  const int tpr = p.threads_per_row;
-  const int lane = dev::thread_x() % tpr;
-  const int rows_per_block = dev::block_dim_x() / tpr;
+  const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;
   acc_t dweight[ITEMS][VEC] = {};
   acc_t dbias[ITEMS][VEC] = {};
-  for (int64_t tile = int64_t{dev::block_x()} * rows_per_block; tile < p.rows;
-       tile += int64_t{dev::grid_dim_x()} * rows_per_block) {
-    const int64_t row = tile + dev::thread_x() / tpr;
+  for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
+    const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
     const acc_t mean = active && p.mean != nullptr ? p.mean[row] : acc_t(0);
     const acc_t rstd = active ? p.rstd[row] : acc_t(0);
@@ -85,7 +81,7 @@ norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int64_t c = int64_t{k} * tpr + lane;
+      const int64_t c = layout.vector(k);
       if (active && c < nvec) {
         load_xhat_and_g(p, row, c * VEC, mean, rstd, xhat[k], dy[k], sum_g, sum_g_xhat);
 #pragma unroll
@@ -95,20 +91,20 @@ norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
         }
       }
     }
-    row_sum2(sum_g, sum_g_xhat, tpr, smem);
+    row_sum2(sum_g, sum_g_xhat, p.threads_per_row, smem);
     if (!active || p.dx == nullptr) continue;
     const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int64_t c = int64_t{k} * tpr + lane;
+      const int64_t c = layout.vector(k);
       if (c < nvec) store_dx<KIND>(p, row, c * VEC, xhat[k], dy[k], rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
   // Every slot writes its whole partial row, zeros included, so the buffer needs no clearing.
-  const int64_t slot = int64_t{dev::block_x()} * rows_per_block + dev::thread_x() / tpr;
+  const int64_t slot = layout.first_tile() + layout.row_in_block;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    const int64_t c = int64_t{k} * tpr + lane;
+    const int64_t c = layout.vector(k);
     if (c >= nvec) continue;
     if (p.partial_dweight != nullptr) store_vec<VEC>(p.partial_dweight + slot * p.cols, c * VEC, dweight[k]);
     if (p.partial_dbias != nullptr) store_vec<VEC>(p.partial_dbias + slot * p.cols, c * VEC, dbias[k]);
@@ -131,7 +127,7 @@ TLN_DEVICE void accumulate_partial(acc_t* partial, int64_t i, const acc_t (&v)[V
 // partial rows).
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
-norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
+    norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;
@@ -158,5 +154,19 @@ norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
     }
   }
 }
+
+// The backward's kernels by register tier, for launch_rows.
+template <typename T, typename W, typename acc_t>
+struct BackwardKernels {
+  static constexpr RegisterBudget budget = kBackwardBudget;
+  template <NormKind K, int VEC, int ITEMS>
+  static constexpr auto get() {
+    if constexpr (ITEMS == 0) {
+      return &norm_backward_multipass_kernel<T, W, acc_t, K, VEC>;
+    } else {
+      return &norm_backward_kernel<T, W, acc_t, K, VEC, ITEMS>;
+    }
+  }
+};
 
 }  // namespace torch_ln

@@ -37,19 +37,7 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   p.partial_dweight = mutable_data_or_null<acc_t>(partial_dweight);
   p.partial_dbias = mutable_data_or_null<acc_t>(partial_dbias);
 
-  dispatch_kind_and_vec<T>(kind, plan.vec, [&](auto kind_c, auto vec_c) {
-    constexpr NormKind K = decltype(kind_c)::value;
-    constexpr int VEC = decltype(vec_c)::value;
-    auto kernel_for = [](auto items_c) {
-      constexpr int ITEMS = decltype(items_c)::value;
-      if constexpr (ITEMS == 0) {
-        return &norm_backward_multipass_kernel<T, W, acc_t, K, VEC>;
-      } else {
-        return &norm_backward_kernel<T, W, acc_t, K, VEC, ITEMS>;
-      }
-    };
-    launch_planned<large_items(VEC, kBackwardBudget), acc_t>(plan, stream, kernel_for, p);
-  });
+  launch_rows<BackwardKernels<T, W, acc_t>, T, acc_t>(kind, plan, stream, p);
   if (a.dweight.defined() || a.dbias.defined()) {
     const dev::Dim3 grid{static_cast<unsigned>(ceil_div(a.cols, kReduceCols)), 2};
     const dev::Dim3 block{kReduceCols, kReduceRows};
@@ -58,8 +46,7 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   }
 }
 
-inline void launch_norm_backward(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits,
-                                 dev::Stream stream) {
+inline void launch_norm_backward(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   // dbias has the bias's dtype, which is the parameter dtype when there is no weight.
   dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.dbias),
                        [&](auto types) { launch_backward_typed<decltype(types)>(kind, a, limits, stream); });

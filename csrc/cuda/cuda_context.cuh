@@ -2,12 +2,11 @@
 // stream, with that device's limits for launch planning. Nothing synchronizes.
 #pragma once
 
-#include "launch_plan.h"
-
 #include <ATen/core/Tensor.h>
-
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include "launch_plan.h"
 
 namespace torch_ln {
 

@@ -46,8 +46,8 @@ TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
 
 // Normalizes one vector of a row (element offset i) and stores it to y.
 template <int VEC, typename T, typename W, typename acc_t>
-TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t row, int64_t i,
-                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd) {
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t row, int64_t i, const acc_t (&v)[VEC],
+                                    acc_t mean, acc_t rstd) {
   acc_t out[VEC], w[VEC], b[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;
@@ -64,48 +64,43 @@ TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t
   store_vec<VEC>(p.y + row * p.cols, i, out);
 }
 
-// Rows held in registers: ITEMS vectors of VEC elements per thread, read from
-// global memory once. Threads [r * tpr, (r + 1) * tpr) of a block share row r;
-// a thread's vectors are strided by tpr so that a warp's loads are contiguous.
+// Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
+// RowLayout), read from global memory once.
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
-norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
-  const int tpr = p.threads_per_row;
-  const int lane = dev::thread_x() % tpr;
-  const int rows_per_block = dev::block_dim_x() / tpr;
+  const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
-  // The loop bound is uniform across the block: every thread reaches each reduction.
-  for (int64_t tile = int64_t{dev::block_x()} * rows_per_block; tile < p.rows;
-       tile += int64_t{dev::grid_dim_x()} * rows_per_block) {
-    const int64_t row = tile + dev::thread_x() / tpr;
+  for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
+    const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
     acc_t v[ITEMS][VEC];
     acc_t sum = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int64_t c = int64_t{k} * tpr + lane;
+      const int64_t c = layout.vector(k);
       if (active && c < nvec) {
         load_vec<VEC>(p.x + row * p.cols, c * VEC, v[k]);
         sum += vector_sum(v[k]);
       }
     }
-    const acc_t mean = KIND == NormKind::LayerNorm ? row_sum(sum, tpr, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
+    const acc_t mean =
+        KIND == NormKind::LayerNorm ? row_sum(sum, p.threads_per_row, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
     // Two-pass variance over the registers: no E[x^2] - E[x]^2 cancellation.
     acc_t squares = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (active && int64_t{k} * tpr + lane < nvec) squares += squared_deviations(v[k], mean);
+      if (active && layout.vector(k) < nvec) squares += squared_deviations(v[k], mean);
     }
-    const acc_t rstd = rstd_from(row_sum(squares, tpr, smem), p.cols, p.eps);
+    const acc_t rstd = rstd_from(row_sum(squares, p.threads_per_row, smem), p.cols, p.eps);
     if (!active) continue;
-    if (lane == 0) {
+    if (layout.lane == 0) {
       if (p.mean != nullptr) p.mean[row] = mean;
       p.rstd[row] = rstd;
     }
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int64_t c = int64_t{k} * tpr + lane;
+      const int64_t c = layout.vector(k);
       if (c < nvec) normalize_and_store(p, row, c * VEC, v[k], mean, rstd);
     }
   }
@@ -115,7 +110,7 @@ norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
 // (sum, squared deviations, normalize); the later passes mostly hit L2.
 template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
-norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
+    norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;
@@ -147,5 +142,19 @@ norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
     }
   }
 }
+
+// The forward's kernels by register tier, for launch_rows.
+template <typename T, typename W, typename acc_t>
+struct ForwardKernels {
+  static constexpr RegisterBudget budget = kForwardBudget;
+  template <NormKind K, int VEC, int ITEMS>
+  static constexpr auto get() {
+    if constexpr (ITEMS == 0) {
+      return &norm_forward_multipass_kernel<T, W, acc_t, K, VEC>;
+    } else {
+      return &norm_forward_kernel<T, W, acc_t, K, VEC, ITEMS>;
+    }
+  }
+};
 
 }  // namespace torch_ln

@@ -3,9 +3,9 @@
 // slots in a fixed order, so the result is the same bits on every run.
 #pragma once
 
-#include "device.cuh"
-
 #include <cstdint>
+
+#include "device.cuh"
 
 namespace torch_ln {
 
@@ -14,9 +14,9 @@ constexpr int kReduceRows = 8;   // slot stripes per block, added in order at th
 
 // blockIdx.y selects the gradient: 0 for dweight, 1 for dbias.
 template <typename acc_t, typename W>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kReduceCols * kReduceRows)
-reduce_partials_kernel(const acc_t* partial_dweight, const acc_t* partial_dbias, W* dweight, W* dbias,
-                                       int64_t slots, int64_t cols) {
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kReduceCols* kReduceRows)
+    reduce_partials_kernel(const acc_t* partial_dweight, const acc_t* partial_dbias, W* dweight, W* dbias,
+                           int64_t slots, int64_t cols) {
   const acc_t* partial = dev::block_y() == 0 ? partial_dweight : partial_dbias;
   W* out = dev::block_y() == 0 ? dweight : dbias;
   if (partial == nullptr) return;  // the whole block leaves together

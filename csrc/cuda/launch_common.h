@@ -4,15 +4,15 @@
 // device limits and the stream.
 #pragma once
 
-#include "../dispatch.h"
-#include "../norm.h"
-#include "device.cuh"
-#include "launch_plan.h"
-
 #include <ATen/ATen.h>
 
 #include <cstdint>
 #include <type_traits>
+
+#include "../dispatch.h"
+#include "../norm.h"
+#include "device.cuh"
+#include "launch_plan.h"
 
 namespace torch_ln {
 
@@ -22,7 +22,8 @@ inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<ui
 // W) can be used for every row: all pointers aligned, rows a whole number of
 // vectors.
 template <typename T, typename W>
-bool vectorizable(int64_t cols, std::initializer_list<const void*> row_data, std::initializer_list<const void*> params) {
+bool vectorizable(int64_t cols, std::initializer_list<const void*> row_data,
+                  std::initializer_list<const void*> params) {
   constexpr int kVec = kVectorBytes / sizeof(T);
   if (cols % kVec != 0) return false;
   for (const void* p : row_data) {
@@ -44,38 +45,38 @@ T* mutable_data_or_null(const at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
 }
 
-// Calls f(kind, vec) with both as compile-time constants: kind is LayerNorm or
-// RMSNorm, vec is the 16-byte vector width of T or 1 (the scalar path).
-template <typename T, typename F>
-void dispatch_kind_and_vec(NormKind kind, int vec, F&& f) {
-  constexpr int kVec = kVectorBytes / sizeof(T);
-  auto with_vec = [&](auto kind_constant) {
-    if (vec == 1) {
-      f(kind_constant, std::integral_constant<int, 1>{});
+// Launches the row kernel a plan calls for. Kernels names a direction's kernels:
+// Kernels::get<K, VEC, ITEMS>() is the register kernel for that tier, or the
+// multi-pass one for ITEMS == 0; Kernels::budget is its register budget. The
+// norm kind and the vector width (16 bytes of T, or 1 for the scalar path)
+// become compile-time constants here.
+template <typename Kernels, typename T, typename acc_t, typename Params>
+void launch_rows(NormKind kind, const RowPlan& plan, dev::Stream stream, const Params& params) {
+  const dev::Dim3 grid{static_cast<unsigned>(plan.blocks)}, block{static_cast<unsigned>(plan.block_threads())};
+  const size_t smem = plan.smem_bytes<acc_t>();
+  auto with_kind_and_vec = [&](auto kind_c, auto vec_c) {
+    constexpr NormKind K = decltype(kind_c)::value;
+    constexpr int VEC = decltype(vec_c)::value;
+    constexpr int kLargeItems = large_items(VEC, Kernels::budget);
+    if (plan.multipass()) {
+      dev::launch(Kernels::template get<K, VEC, 0>(), grid, block, smem, stream, params);
+    } else if (plan.items == kSmallItems) {
+      dev::launch(Kernels::template get<K, VEC, kSmallItems>(), grid, block, smem, stream, params);
     } else {
-      f(kind_constant, std::integral_constant<int, kVec>{});
+      dev::launch(Kernels::template get<K, VEC, kLargeItems>(), grid, block, smem, stream, params);
+    }
+  };
+  auto with_kind = [&](auto kind_c) {
+    if (plan.vec == 1) {
+      with_kind_and_vec(kind_c, std::integral_constant<int, 1>{});
+    } else {
+      with_kind_and_vec(kind_c, std::integral_constant<int, kVectorBytes / sizeof(T)>{});
     }
   };
   if (kind == NormKind::LayerNorm) {
-    with_vec(std::integral_constant<NormKind, NormKind::LayerNorm>{});
+    with_kind(std::integral_constant<NormKind, NormKind::LayerNorm>{});
   } else {
-    with_vec(std::integral_constant<NormKind, NormKind::RMSNorm>{});
-  }
-}
-
-// Launches the row kernel a plan calls for. kernel_for(items) gives the kernel
-// for a register tier (items as a compile-time constant), or the multi-pass
-// kernel for items == 0.
-template <int kLargeItems, typename acc_t, typename KernelFor, typename Params>
-void launch_planned(const RowPlan& plan, dev::Stream stream, KernelFor kernel_for, const Params& params) {
-  const dev::Dim3 grid{static_cast<unsigned>(plan.blocks)}, block{static_cast<unsigned>(plan.block_threads())};
-  const size_t smem = plan.smem_bytes<acc_t>();
-  if (plan.multipass()) {
-    dev::launch(kernel_for(std::integral_constant<int, 0>{}), grid, block, smem, stream, params);
-  } else if (plan.items == kSmallItems) {
-    dev::launch(kernel_for(std::integral_constant<int, kSmallItems>{}), grid, block, smem, stream, params);
-  } else {
-    dev::launch(kernel_for(std::integral_constant<int, kLargeItems>{}), grid, block, smem, stream, params);
+    with_kind(std::integral_constant<NormKind, NormKind::RMSNorm>{});
   }
 }
 

@@ -83,8 +83,8 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
     p.threads_per_row = budget.max_threads;
   }
   p.rows_per_block = std::max(1, kRowsBlockThreads / p.threads_per_row);
-  const int64_t max_blocks = single_wave ? int64_t{d.num_sms} * std::max(1, d.max_threads_per_sm / p.block_threads())
-                                         : int64_t{1} << 30;
+  const int64_t max_blocks =
+      single_wave ? int64_t{d.num_sms} * std::max(1, d.max_threads_per_sm / p.block_threads()) : int64_t{1} << 30;
   p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), max_blocks));
   return p;
 }

@@ -1,5 +1,5 @@
-#include "cuda_context.cuh"
 #include "backward_launch.h"
+#include "cuda_context.cuh"
 #include "norm_cuda.h"
 
 namespace torch_ln {

@@ -2,12 +2,12 @@
 // reductions built in layers (thread -> warp -> row of warps).
 #pragma once
 
-#include "device.cuh"
-
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
+
+#include "device.cuh"
 
 namespace torch_ln {
 
@@ -32,6 +32,25 @@ TLN_DEVICE void store_vec(T* p, int64_t i, const acc_t (&in)[VEC]) {
   for (int j = 0; j < VEC; ++j) v.v[j] = static_cast<T>(in[j]);
   *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
 }
+
+// How the threads of a block map onto rows in the register kernels: threads
+// [r * tpr, (r + 1) * tpr) hold row r of the block's current tile of rows, and a
+// thread's k-th vector is vector k * tpr + lane of the row, so that a warp's
+// accesses are contiguous. Tiles advance by the grid's rows; the loop bound is
+// uniform across the block, so every thread reaches each reduction.
+struct RowLayout {
+  int threads_per_row, lane, rows_per_block, row_in_block;
+
+  TLN_DEVICE explicit RowLayout(int tpr)
+      : threads_per_row(tpr),
+        lane(dev::thread_x() % tpr),
+        rows_per_block(dev::block_dim_x() / tpr),
+        row_in_block(dev::thread_x() / tpr) {}
+
+  TLN_DEVICE int64_t first_tile() const { return int64_t{dev::block_x()} * rows_per_block; }
+  TLN_DEVICE int64_t tile_stride() const { return int64_t{dev::grid_dim_x()} * rows_per_block; }
+  TLN_DEVICE int64_t vector(int k) const { return int64_t{k} * threads_per_row + lane; }
+};
 
 // Sum over the `width` lanes (a power of two <= 32) of each aligned lane group.
 // The xor butterfly adds the same pairs in every lane, so every lane ends with

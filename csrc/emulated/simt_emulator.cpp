@@ -104,8 +104,7 @@ std::mutex launch_mutex;
 
 class BlockState {
  public:
-  BlockState(unsigned threads, size_t smem_bytes)
-      : barrier(threads), warps(threads / kWarpSize), smem(smem_bytes) {}
+  BlockState(unsigned threads, size_t smem_bytes) : barrier(threads), warps(threads / kWarpSize), smem(smem_bytes) {}
 
   Barrier barrier;
   std::vector<Warp> warps;
@@ -145,8 +144,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const std::functio
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
 
   auto run_thread = [&](unsigned tid) {
-    ThreadContext ctx{{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)}, {}, block, grid, &state,
-                      tid};
+    ThreadContext ctx{
+        {tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)}, {}, block, grid, &state, tid};
     current_thread = &ctx;
     for (uint64_t b = 0; b < blocks; ++b) {
       ctx.block_idx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
