@@ -8,7 +8,7 @@ from torch_ln import _extension
 
 _extension.load()
 
-from torch_ln.modules import LayerNorm, RMSNorm, replace_norms  # noqa: E402
-from torch_ln.ops import layer_norm, rms_norm  # noqa: E402
+from torch_ln.modules import LayerNorm, RMSNorm, replace_norms
+from torch_ln.ops import layer_norm, rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "replace_norms", "rms_norm"]

@@ -24,7 +24,9 @@ def load() -> None:
     try:
         from torch_ln import _C, _build_info
     except ImportError as error:
-        raise ImportError(f"torch_ln's compiled extension is missing or cannot be loaded ({error}); {_BUILD_HINT}") from error
+        raise ImportError(
+            f"torch_ln's compiled extension is missing or cannot be loaded ({error}); {_BUILD_HINT}"
+        ) from error
     if _build_info.TORCH_VERSION != torch.__version__:
         raise ImportError(
             f"torch_ln was built against torch {_build_info.TORCH_VERSION} but torch {torch.__version__} is "

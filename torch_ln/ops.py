@@ -110,7 +110,7 @@ def _(grad_out, input, normalized_shape, rstd, weight, output_mask):
 
 def _save_for_backward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, statistics: tuple) -> None:
     """Saves only what the requested gradients need: dbias alone needs none of it."""
-    needs_dx, _, needs_dweight, *rest = ctx.needs_input_grad
+    needs_dx, _, needs_dweight, *_ = ctx.needs_input_grad
     keep = needs_dx or needs_dweight
     ctx.bias_dtype = bias.dtype if bias is not None else None
     kept = (input, weight, bias, *statistics) if keep else (None,) * (3 + len(statistics))
@@ -184,7 +184,9 @@ def _needs_double_backward(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-torch.library.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)
+torch.library.register_autograd(
+    "torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context
+)
 torch.library.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 # Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln.

@@ -56,9 +56,6 @@ TLN_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 // Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, Args&&... args) {
-  if (smem_bytes >= 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  }
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import os
 
+import emulated_build as build
 import pytest
 import torch
 import torch.nn.functional as F
-
-import emulated_build as build
 
 SANITIZED = build.load()
 ops = torch.ops.torch_ln_emulated
