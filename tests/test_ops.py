@@ -779,7 +779,8 @@ def test_regression_bias_only_grad_without_batch_dims(shape, nshape, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_regression_layer_norm_dx_is_zero_for_d1(device):
-    """LayerNorm over D=1: y = bias and dx = 0 exactly (x - mean(x) = 0 for any x), as torch gives.
+    """LayerNorm over D=1: y = bias and dx = 0 exactly (x - mean(x) = 0 for any x). torch 2.14's
+    CPU kernel gives exact zeros too; 2.13's does not, so torch is not asserted on here.
 
     Found: with a weight, the CPU kernel returned dx = rstd * (dy*w - fl(dy*w)), the rounding
     error of the product dy*w amplified by rstd = 1/sqrt(eps) ~ 316 (up to ~1e-5 in float32).
@@ -789,7 +790,5 @@ def test_regression_layer_norm_dx_is_zero_for_d1(device):
     x = torch.randn(64, 1, device=device)
     weight = torch.randn(1, device=device)
     grad_out = torch.randn(64, 1, device=device)
-    dx_torch = run(F.layer_norm, x, weight, None, grad_out, (1,), 1e-5)["dx"]
     dx_ours = run(torch_ln.layer_norm, x, weight, None, grad_out, (1,), 1e-5)["dx"]
-    assert (dx_torch == 0).all()
     assert (dx_ours == 0).all(), f"max |dx| = {dx_ours.abs().max().item():.3e}"
