@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 
 #include "../dispatch.h"
@@ -184,6 +185,10 @@ struct NormCpu {
   using VA = Vectorized<A>;
   static constexpr bool kCentered = K == NormKind::LayerNorm;  // RMSNorm: mean fixed at 0
 
+  // LayerNorm rows up to this size (as acc_t) stay in L1 between passes: their statistics take two cheap passes.
+  // Longer rows get them in one read (row_moments), so the forward reads x twice in all, not three times.
+  static constexpr int64_t kL1RowBytes = 32 * 1024;
+
   // Rows per parallel task: about kGrainElements elements.
   static constexpr int64_t kGrainElements = 32768;
 
@@ -232,23 +237,77 @@ struct NormCpu {
     });
   }
 
+  // The mean and the sum of squared deviations of a row in one read of it (the normalizing pass is the second):
+  // Welford's update in every lane (each lane sees one element per step, so all lanes share the count and 1/n),
+  // then the lanes' (mean, M2) merged pairwise in a fixed order (Chan et al.), then the tail elements one by one.
+  // Deviations are always taken from a running mean: no E[x^2] - E[x]^2 cancellation. The values are shifted by
+  // the row's first element so that the running means stay small: their rounding is then far below an ulp of a
+  // large row mean, and the only rounding of that size is the final shift back.
+  TORCH_LN_FLATTEN static std::pair<A, A> row_moments(const T* x, int64_t D) {
+    const int64_t steps = D / kStep<A>;
+    const A shift = static_cast<A>(x[0]);
+    Group<A> m, q;
+    m.fill(VA(A(0)));
+    q.fill(VA(A(0)));
+    for (const auto k : c10::irange(steps)) {
+      Group<A> v = load_group<A>(x + k * kStep<A>, kStep<A>);
+      const VA inv_count(A(1) / static_cast<A>(k + 1));
+      for (const auto i : c10::irange(kU)) {
+        v[i] = v[i] - VA(shift);
+        const VA delta = v[i] - m[i];
+        m[i] = m[i] + delta * inv_count;
+        q[i] = q[i] + delta * (v[i] - m[i]);
+      }
+    }
+    constexpr int64_t V = VA::size();
+    A lane_mean[kStep<A>], lane_m2[kStep<A>];
+    for (const auto i : c10::irange(kU)) {
+      m[i].store(lane_mean + i * V);
+      q[i].store(lane_m2 + i * V);
+    }
+    // Merging two lanes of equal count c: the mean is the midpoint, M2 gains delta^2 * c / 2.
+    A count = static_cast<A>(steps);
+    for (int64_t width = kStep<A> / 2; width >= 1; width /= 2, count *= 2) {
+      for (const auto l : c10::irange(width)) {
+        const A delta = lane_mean[l + width] - lane_mean[l];
+        lane_mean[l] += delta / 2;
+        lane_m2[l] += lane_m2[l + width] + delta * delta * count / 2;
+      }
+    }
+    A mean = steps > 0 ? lane_mean[0] : A(0), m2 = steps > 0 ? lane_m2[0] : A(0);
+    int64_t n = steps * kStep<A>;
+    for (const auto j : c10::irange(n, D)) {
+      const A v = static_cast<A>(x[j]) - shift;
+      const A delta = v - mean;
+      mean += delta / static_cast<A>(++n);
+      m2 += delta * (v - mean);
+    }
+    return {shift + mean, m2};
+  }
+
   template <bool HasW, bool HasB>
   TORCH_LN_FLATTEN static void forward_row(const T* x, T* y, const W* w, const W* b, int64_t D, A eps, A* mean_out,
                                            A& rstd_out) {
-    A mean = 0;
-    if constexpr (kCentered) {
+    A mean = 0, sum_sq = 0;
+    if (kCentered && D * static_cast<int64_t>(sizeof(A)) > kL1RowBytes) {
+      std::tie(mean, sum_sq) = row_moments(x, D);
+      *mean_out = mean;
+    } else if constexpr (kCentered) {
       mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{load_group<A>(x + j, c)}; })[0] / D;
       *mean_out = mean;
+      // Two-pass variance over a row still in L1, centered on the mean: no E[x^2] - E[x]^2 cancellation.
+      sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
+        Group<A> v = load_group<A>(x + j, c);
+        for (auto& e : v) e = (e - VA(mean)) * (e - VA(mean));
+        return Sums<A, 1>{v};
+      })[0];
+    } else {
+      sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
+        Group<A> v = load_group<A>(x + j, c);
+        for (auto& e : v) e = e * e;
+        return Sums<A, 1>{v};
+      })[0];
     }
-    // Two-pass variance, centered on the mean: no E[x^2] - E[x]^2 cancellation.
-    const A sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
-      Group<A> v = load_group<A>(x + j, c);
-      for (auto& e : v) {
-        const VA d = kCentered ? e - VA(mean) : e;
-        e = d * d;
-      }
-      return Sums<A, 1>{v};
-    })[0];
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
     rstd_out = rstd;
     for_each_step<A>(D, [&](int64_t j, int64_t c) {
