@@ -43,38 +43,41 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t);
 // cannot return None); the Python layer maps them to None.
 at::Tensor unrequested_grad(const at::Tensor& like);
 
+// One forward call of either kind: checks, allocates, runs the kernels. Returns (y, mean, rstd) with the
+// statistics in aten's shape; mean is undefined for RMSNorm.
 template <typename Backend>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                                              const std::optional<at::Tensor>& weight,
-                                                              const std::optional<at::Tensor>& bias, double eps) {
-  const RowShape s = check_forward_inputs("layer_norm", input, normalized_shape, weight, bias);
+std::array<at::Tensor, 3> run_forward(NormKind kind, const char* op, const at::Tensor& input,
+                                      at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, double eps) {
+  const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   ForwardArgs a{input.contiguous(),
                 contiguous_or_undefined(weight),
                 contiguous_or_undefined(bias),
                 eps,
                 at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)),
-                at::empty({s.rows}, stat_opts),
+                kind == NormKind::LayerNorm ? at::empty({s.rows}, stat_opts) : at::Tensor(),
                 at::empty({s.rows}, stat_opts),
                 s.rows,
                 s.cols};
-  if (s.rows > 0) Backend::kernels.forward(NormKind::LayerNorm, a);
+  if (s.rows > 0) Backend::kernels.forward(kind, a);
   const auto stat_shape = statistics_shape(input, s.axis);
-  return {a.y, a.mean.view(stat_shape), a.rstd.view(stat_shape)};
+  return {a.y, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
 }
 
+// One backward call of either kind. Returns (dx, dweight, dbias); each one not requested (or without its
+// parameter) is an empty tensor.
 template <typename Backend>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
-                                                              at::IntArrayRef normalized_shape, const at::Tensor& mean,
-                                                              const at::Tensor& rstd,
-                                                              const std::optional<at::Tensor>& weight,
-                                                              const std::optional<at::Tensor>& bias,
-                                                              std::array<bool, 3> output_mask) {
-  const RowShape s = check_forward_inputs("layer_norm_backward", input, normalized_shape, weight, bias);
-  check_backward_inputs("layer_norm_backward", grad_out, input, s, rstd, mean);
+std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::Tensor& grad_out,
+                                       const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                       const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                                       std::array<bool, 3> output_mask) {
+  const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
+  check_backward_inputs(op, grad_out, input, s, rstd, mean);
   BackwardArgs a{grad_out.contiguous(),
                  input.contiguous(),
-                 mean.contiguous().view({s.rows}),
+                 mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
                  rstd.contiguous().view({s.rows}),
                  contiguous_or_undefined(weight),
                  {},
@@ -88,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
   if (want_dweight) a.dweight = at::empty_like(a.weight);
   if (want_dbias) a.dbias = at::empty({s.cols}, bias->options().memory_format(at::MemoryFormat::Contiguous));
   if (s.rows > 0) {
-    Backend::kernels.backward(NormKind::LayerNorm, a);
+    Backend::kernels.backward(kind, a);
   } else {  // a sum over no rows
     if (want_dweight) a.dweight.zero_();
     if (want_dbias) a.dbias.zero_();
@@ -99,21 +102,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
 }
 
 template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const std::optional<at::Tensor>& bias, double eps) {
+  const auto [y, mean, rstd] =
+      run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps);
+  return {y, mean, rstd};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
+                                                              at::IntArrayRef normalized_shape, const at::Tensor& mean,
+                                                              const at::Tensor& rstd,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const std::optional<at::Tensor>& bias,
+                                                              std::array<bool, 3> output_mask) {
+  const auto [dx, dweight, dbias] = run_backward<Backend>(NormKind::LayerNorm, "layer_norm_backward", grad_out, input,
+                                                          normalized_shape, mean, rstd, weight, bias, output_mask);
+  return {dx, dweight, dbias};
+}
+
+template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                 const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  const RowShape s = check_forward_inputs("rms_norm", input, normalized_shape, weight, std::nullopt);
-  const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
-  ForwardArgs a{input.contiguous(),
-                contiguous_or_undefined(weight),
-                {},
-                eps.value_or(default_rms_eps(input.scalar_type())),
-                at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)),
-                {},
-                at::empty({s.rows}, stat_opts),
-                s.rows,
-                s.cols};
-  if (s.rows > 0) Backend::kernels.forward(NormKind::RMSNorm, a);
-  return {a.y, a.rstd.view(statistics_shape(input, s.axis))};
+  const auto out = run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
+                                        eps.value_or(default_rms_eps(input.scalar_type())));
+  return {out[0], out[2]};
 }
 
 template <typename Backend>
@@ -121,28 +135,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, cons
                                                 at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                 const std::optional<at::Tensor>& weight,
                                                 std::array<bool, 2> output_mask) {
-  const RowShape s = check_forward_inputs("rms_norm_backward", input, normalized_shape, weight, std::nullopt);
-  check_backward_inputs("rms_norm_backward", grad_out, input, s, rstd, std::nullopt);
-  BackwardArgs a{grad_out.contiguous(),
-                 input.contiguous(),
-                 {},
-                 rstd.contiguous().view({s.rows}),
-                 contiguous_or_undefined(weight),
-                 {},
-                 {},
-                 {},
-                 s.rows,
-                 s.cols};
-  if (output_mask[0]) a.dx = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
-  const bool want_dweight = output_mask[1] && weight.has_value();
-  if (want_dweight) a.dweight = at::empty_like(a.weight);
-  if (s.rows > 0) {
-    Backend::kernels.backward(NormKind::RMSNorm, a);
-  } else if (want_dweight) {  // a sum over no rows
-    a.dweight.zero_();
-  }
-  return {a.dx.defined() ? a.dx : unrequested_grad(input),
-          want_dweight ? a.dweight.view(weight->sizes()) : unrequested_grad(input)};
+  const auto grads =
+      run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape, std::nullopt,
+                            rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false});
+  return {grads[0], grads[1]};
 }
 
 // Registers the four operators of one backend under `m` (a TORCH_LIBRARY_IMPL
