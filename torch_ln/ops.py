@@ -54,14 +54,10 @@ def rms_norm(
 # Fake kernels: shapes and dtypes only, for torch.compile and torch.export.
 
 
-def _accumulation_dtype(input: Tensor) -> torch.dtype:
-    return torch.float64 if input.dtype == torch.float64 else torch.float32
-
-
 def _statistics(input: Tensor, normalized_shape: Sequence[int]) -> Tensor:
     axis = input.dim() - len(normalized_shape)
     shape = list(input.shape[:axis]) + [1] * len(normalized_shape)
-    return input.new_empty(shape, dtype=_accumulation_dtype(input))
+    return input.new_empty(shape, dtype=reference.accumulation_dtype(input.dtype))
 
 
 def _unrequested(input: Tensor) -> Tensor:
@@ -119,11 +115,10 @@ def _save_for_backward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor |
 
 def _sum_rows(grad_out: Tensor, normalized_shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     """The bias gradient: grad_out summed over the batch dimensions, accumulated in float32 (float64)."""
-    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
     batch_dims = list(range(grad_out.dim() - len(normalized_shape)))
     if not batch_dims:  # sum([]) would sum everything
         return grad_out.to(dtype)
-    return grad_out.sum(batch_dims, dtype=accumulate).to(dtype)
+    return grad_out.sum(batch_dims, dtype=reference.accumulation_dtype(dtype)).to(dtype)
 
 
 def _differentiable_grads(norm, grad_out: Tensor, tensors: tuple, needs: tuple, *args) -> list[Tensor | None]:

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics and partial sums: float64 for float64 input, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -29,7 +30,7 @@ def layer_norm(
 ) -> Tensor:
     """(x - mean) * rstd * weight + bias, statistics in float32 (float64 for float64 input)."""
     dims = _normalized_dims(input, normalized_shape)
-    x = input.to(_accumulation_dtype(input.dtype))
+    x = input.to(accumulation_dtype(input.dtype))
     mean = x.mean(dims, keepdim=True)
     # Two-pass variance: centring first avoids the E[x^2] - E[x]^2 cancellation.
     var = (x - mean).square().mean(dims, keepdim=True)
@@ -43,7 +44,7 @@ def layer_norm(
 
 def default_rms_eps(dtype: torch.dtype) -> float:
     """torch's eps for rms_norm(eps=None): the machine epsilon of the accumulation dtype."""
-    return torch.finfo(_accumulation_dtype(dtype)).eps
+    return torch.finfo(accumulation_dtype(dtype)).eps
 
 
 def rms_norm(
@@ -54,7 +55,7 @@ def rms_norm(
 ) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight, in float32 (float64 for float64 input)."""
     dims = _normalized_dims(input, normalized_shape)
-    x = input.to(_accumulation_dtype(input.dtype))
+    x = input.to(accumulation_dtype(input.dtype))
     eps = default_rms_eps(input.dtype) if eps is None else eps
     y = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
     if weight is not None:

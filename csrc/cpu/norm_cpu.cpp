@@ -13,8 +13,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "../dispatch.h"
@@ -289,18 +289,22 @@ struct NormCpu {
   TORCH_LN_FLATTEN static void forward_row(const T* x, T* y, const W* w, const W* b, int64_t D, A eps, A* mean_out,
                                            A& rstd_out) {
     A mean = 0, sum_sq = 0;
-    if (kCentered && D * static_cast<int64_t>(sizeof(A)) > kL1RowBytes) {
-      std::tie(mean, sum_sq) = row_moments(x, D);
+    if constexpr (kCentered) {
+      if (D * static_cast<int64_t>(sizeof(A)) > kL1RowBytes) {
+        std::tie(mean, sum_sq) = row_moments(x, D);
+      } else {
+        mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{load_group<A>(x + j, c)}; })[0] / D;
+        // Two-pass variance over a row still in L1, centered on the mean: no E[x^2] - E[x]^2 cancellation.
+        sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
+          Group<A> v = load_group<A>(x + j, c);
+          for (auto& e : v) {
+            const VA d = e - VA(mean);
+            e = d * d;
+          }
+          return Sums<A, 1>{v};
+        })[0];
+      }
       *mean_out = mean;
-    } else if constexpr (kCentered) {
-      mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{load_group<A>(x + j, c)}; })[0] / D;
-      *mean_out = mean;
-      // Two-pass variance over a row still in L1, centered on the mean: no E[x^2] - E[x]^2 cancellation.
-      sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
-        Group<A> v = load_group<A>(x + j, c);
-        for (auto& e : v) e = (e - VA(mean)) * (e - VA(mean));
-        return Sums<A, 1>{v};
-      })[0];
     } else {
       sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
         Group<A> v = load_group<A>(x + j, c);
