@@ -28,9 +28,9 @@ def _find_cuda_home() -> str | None:
 if _find_cuda_home():
     os.environ.setdefault("CUDA_HOME", _find_cuda_home())
 
-import torch  # noqa: E402
-from setuptools import setup  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 
 def _with_cuda() -> bool:

@@ -21,6 +21,8 @@ from norm_cases import (
     RMS_NORM,
     TOLERANCES,
     accumulation_dtype,
+    assert_accuracy,
+    assert_close_to_torch,
     check_against_torch_and_reference,
     make_params,
     norm_affine_dtype_params,
@@ -351,6 +353,33 @@ def test_batch_invariance(norm, d, dtype, device):
                 assert torch.equal(inside[name][position], alone[name][0]), (
                     f"{name} of a row at {position} of {batch} differs from the row alone"
                 )
+
+
+# The CPU kernels write y and dx with streaming stores once the output exceeds 1 MiB per thread (csrc/cpu/norm_cpu.cpp,
+# kStreamingBytesPerThread); the other CPU tests are below that size.
+STREAMING_BYTES_PER_THREAD = 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])  # 4-, 2- and 8-byte stores
+@pytest.mark.parametrize("d", [1027, 4096])  # odd: rows start at every alignment (a head before the stream); aligned
+@pytest.mark.parametrize("norm", NORMS)
+def test_streaming_stores(norm, d, dtype):
+    """Outputs large enough for streaming stores: y and dx match torch and the reference, and every row is bitwise
+    equal to the same row normalized in a batch too small to stream. (The weight and bias gradients do not go through
+    streaming stores; at this M torch's own bfloat16 ones are too far off to be a yardstick.)"""
+    m = math.ceil(2 * STREAMING_BYTES_PER_THREAD * torch.get_num_threads() / (d * dtype.itemsize))
+    x = torch.randn(m, d).to(dtype)
+    grad_out = torch.randn(m, d).to(dtype)
+    weight, bias = make_params(norm, (d,), True, norm.has_bias, dtype, "cpu")
+    args = (weight, bias, grad_out, (d,), norm.default_eps)
+    ours, theirs = run(norm.ours, x, *args), run(norm.torch, x, *args)
+    ref64 = run(norm.reference, x, *args, dtype=torch.float64)
+    rows = [0, 1, m // 2, m - 1]
+    small = run(norm.ours, x[rows], weight, bias, grad_out[rows], (d,), norm.default_eps)
+    for name in ("y", "dx"):
+        assert_close_to_torch(name, ours[name], theirs[name], dtype, m)
+        assert_accuracy(name, ours[name], theirs[name], ref64[name], dtype, m)
+        assert torch.equal(ours[name][rows], small[name]), f"streamed {name} differs from the cached stores' {name}"
 
 
 def _rms_error(t: torch.Tensor, ref64: torch.Tensor) -> float:
