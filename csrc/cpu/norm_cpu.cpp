@@ -16,6 +16,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../dispatch.h"
 
@@ -433,19 +434,57 @@ struct NormCpu {
               [&](auto has_w) { with_flag(a.dx.defined(), [&](auto want_dx) { backward_rows<has_w, want_dx>(a); }); });
   }
 
-  // One pass per row computes dx and adds the row's dweight/dbias terms to its chunk's partial rows; the partials
-  // are then summed over chunks in chunk order.
+  // Row chunks of the backward: at least kMinChunks for parallelism, more for large M while each keeps
+  // kRowsPerChunk rows.
+  static constexpr int64_t kMinChunks = 8;
+  static constexpr int64_t kRowsPerChunk = 16;
+  // Below this many rows the chunks' partial rows would be over a quarter of the traffic and of the memory (8 chunks
+  // of a 16-row input double it; measured: 0.5x torch's speed when glibc then returns and re-faults the pages each
+  // call), so the backward splits columns instead. At 32 rows both ways measure alike; at 64 the row chunks win by
+  // 10-20% (rows re-read from L2, not memory).
+  static constexpr int64_t kMinRowsForChunks = 32;
+
+  // Columns a task of the column-split backward sums at a time: their dweight/dbias sums stay in L1.
+  static constexpr int64_t kColumnBlock = 2048;
+
   template <bool HasW, bool WantDx>
   static void backward_rows(const BackwardArgs& a) {
-    const int64_t M = a.rows, D = a.cols;
-    const T* dy = a.dy.const_data_ptr<T>();
-    const T* x = a.x.const_data_ptr<T>();
-    T* dx = WantDx ? a.dx.mutable_data_ptr<T>() : nullptr;
-    const at::Tensor weight = as_acc(a.weight);
-    const A* w = HasW ? weight.const_data_ptr<A>() : nullptr;
-    const A* mean = kCentered ? a.mean.const_data_ptr<A>() : nullptr;
-    const A* rstd = a.rstd.const_data_ptr<A>();
+    const Rows rows{a, as_acc(a.weight)};
+    if (a.rows < kMinRowsForChunks) {
+      backward_by_columns<HasW, WantDx>(a, rows);
+    } else {
+      backward_by_row_chunks<HasW, WantDx>(a, rows);
+    }
+  }
 
+  // The backward's inputs and dx, row by row.
+  struct Rows {
+    Rows(const BackwardArgs& a, at::Tensor weight_acc)
+        : D(a.cols),
+          dy(a.dy.const_data_ptr<T>()),
+          x(a.x.const_data_ptr<T>()),
+          dx(a.dx.defined() ? a.dx.mutable_data_ptr<T>() : nullptr),
+          weight(std::move(weight_acc)),
+          w(weight.defined() ? weight.const_data_ptr<A>() : nullptr),
+          mean(kCentered ? a.mean.const_data_ptr<A>() : nullptr),
+          rstd(a.rstd.const_data_ptr<A>()),
+          streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())) {}
+    int64_t D;
+    const T *dy, *x;
+    T* dx;
+    at::Tensor weight;  // acc_t
+    const A* w;
+    const A *mean, *rstd;
+    bool streaming;
+
+    A mean_of(int64_t r) const { return kCentered ? mean[r] : A(0); }
+  };
+
+  // Each chunk of rows: per row, the gradient means, then dx and the row's dweight/dbias terms added to the chunk's
+  // partial rows; the partials are then summed over chunks in chunk order.
+  template <bool HasW, bool WantDx>
+  static void backward_by_row_chunks(const BackwardArgs& a, const Rows& rows) {
+    const int64_t M = a.rows, D = a.cols;
     const int64_t chunks = backward_chunks(M, D);
     const auto part_options = a.x.options().dtype(c10::CppTypeToScalarType<A>::value);
     const at::Tensor dw_parts = a.dweight.defined() ? at::empty({chunks, D}, part_options) : at::Tensor();
@@ -456,18 +495,17 @@ struct NormCpu {
     // Measured: prefetching the next row during the dx pass pays off from 4 KB rows up (smaller ones: the hardware
     // prefetcher keeps up); the forward pass gains nothing from it.
     const bool prefetch = D * static_cast<int64_t>(sizeof(T)) >= 4096;
-    const bool streaming = WantDx && use_streaming_stores(a.dx.nbytes());
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
       for (const auto chunk : c10::irange(chunk_begin, chunk_end)) {
         const int64_t row_begin = chunk * M / chunks, row_end = (chunk + 1) * M / chunks;
         for (const auto r : c10::irange(row_begin, row_end)) {
-          backward_row<HasW, WantDx>(dy + r * D, x + r * D, WantDx ? dx + r * D : nullptr, w, D,
-                                     kCentered ? mean[r] : A(0), rstd[r], dw_part ? dw_part + chunk * D : nullptr,
-                                     db_part ? db_part + chunk * D : nullptr, r == row_begin,
-                                     prefetch && r + 1 < row_end, streaming);
+          const auto [g_mean, gx_mean] = gradient_means<HasW, WantDx>(rows, r);
+          backward_columns<HasW, WantDx>(rows, r, 0, D, g_mean, gx_mean, dw_part ? dw_part + chunk * D : nullptr,
+                                         db_part ? db_part + chunk * D : nullptr, r == row_begin,
+                                         prefetch && r + 1 < row_end);
         }
       }
-      finish_streaming(streaming);
+      finish_streaming(rows.streaming);
     });
 
     // Sum the partials over chunks in chunk order; columns are independent, so any column split gives the same bits.
@@ -481,24 +519,66 @@ struct NormCpu {
     }
   }
 
-  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w (RMSNorm: no mean(g) term), and the row's
-  // dweight (dy * xhat) and dbias (dy) terms added to the chunk partials dw_part / db_part (null when not wanted),
-  // which the chunk's first row initializes.
+  // Few rows: the gradient means of every row first (parallel over rows), then dx and dweight/dbias parallel over
+  // column blocks, each block's parameter gradients summed over all rows in row order: no partial rows at all.
   template <bool HasW, bool WantDx>
-  TORCH_LN_FLATTEN static void backward_row(const T* dy, const T* x, T* dx, const A* w, int64_t D, A mean, A rstd,
-                                            A* dw_part, A* db_part, bool first, bool prefetch_next, bool streaming) {
-    A g_mean = 0, gx_mean = 0;
+  static void backward_by_columns(const BackwardArgs& a, const Rows& rows) {
+    const int64_t M = a.rows, D = a.cols;
+    std::vector<std::pair<A, A>> means(M);
     if constexpr (WantDx) {
-      const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
-        Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), w + j, c), load_group<A>(x + j, c)};
-        for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
-        return t;
+      at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+        for (const auto r : c10::irange(begin, end)) means[r] = gradient_means<HasW, WantDx>(rows, r);
       });
-      g_mean = kCentered ? sums[0] / D : A(0);
-      gx_mean = sums[1] * rstd / D;
     }
+    W* dweight = a.dweight.defined() ? a.dweight.template mutable_data_ptr<W>() : nullptr;
+    W* dbias = a.dbias.defined() ? a.dbias.template mutable_data_ptr<W>() : nullptr;
+    const int64_t blocks = (D + kColumnBlock - 1) / kColumnBlock;
+    at::parallel_for(0, blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+      alignas(64) A dw_sum[kColumnBlock], db_sum[kColumnBlock];
+      for (const auto block : c10::irange(block_begin, block_end)) {
+        const int64_t j0 = block * kColumnBlock, n = std::min(kColumnBlock, D - j0);
+        for (const auto r : c10::irange(M)) {
+          backward_columns<HasW, WantDx>(rows, r, j0, n, means[r].first, means[r].second, dweight ? dw_sum : nullptr,
+                                         dbias ? db_sum : nullptr, r == 0, false);
+        }
+        for (const auto& [sum, out] : {std::pair{dw_sum, dweight}, std::pair{db_sum, dbias}}) {
+          if (out != nullptr)
+            for_each_step<A>(n,
+                             [&](int64_t j, int64_t c) { store_group<A>(out + j0 + j, load_group<A>(sum + j, c), c); });
+        }
+      }
+      finish_streaming(rows.streaming);
+    });
+  }
+
+  // mean(g) and mean(g * xhat) of row r, g = dy * w (RMSNorm: mean(g) unused, 0). Zero when dx is not wanted.
+  template <bool HasW, bool WantDx>
+  static std::pair<A, A> gradient_means(const Rows& rows, int64_t r) {
+    if constexpr (!WantDx) return {A(0), A(0)};
+    const int64_t D = rows.D;
+    const T *dy = rows.dy + r * D, *x = rows.x + r * D;
+    const A mean = rows.mean_of(r);
+    const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
+      Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), rows.w + j, c), load_group<A>(x + j, c)};
+      for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
+      return t;
+    });
+    return {kCentered ? sums[0] / D : A(0), sums[1] * rows.rstd[r] / D};
+  }
+
+  // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, and the row's
+  // dweight (dy * xhat) and dbias (dy) terms added to dw_sum / db_sum (null when not wanted; indexed from j0), which
+  // the first row initializes.
+  template <bool HasW, bool WantDx>
+  TORCH_LN_FLATTEN static void backward_columns(const Rows& rows, int64_t r, int64_t j0, int64_t n, A g_mean, A gx_mean,
+                                                A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
+    const int64_t D = rows.D;
+    const T *dy = rows.dy + r * D + j0, *x = rows.x + r * D + j0;
+    T* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
+    const A* w = rows.w + j0;
+    const A mean = rows.mean_of(r), rstd = rows.rstd[r];
     for_each_step<A>(
-        D,
+        n,
         [&](int64_t j, int64_t c) {
           if (prefetch_next) {
             prefetch_step<A>(dy + D + j);
@@ -511,12 +591,12 @@ struct NormCpu {
             for (const auto i : c10::irange(kU)) {
               g[i] = at::vec::fmadd(xhat[i], VA(-gx_mean), g[i] - VA(g_mean)) * VA(rstd);
             }
-            store_output<A>(dx + j, g, c, streaming);
+            store_output<A>(dx + j, g, c, rows.streaming);
           }
-          if (dw_part != nullptr) accumulate(dw_part + j, c, first, [&](int i) { return dyv[i] * xhat[i]; });
-          if (db_part != nullptr) accumulate(db_part + j, c, first, [&](int i) { return dyv[i]; });
+          if (dw_sum != nullptr) accumulate(dw_sum + j, c, first, [&](int i) { return dyv[i] * xhat[i]; });
+          if (db_sum != nullptr) accumulate(db_sum + j, c, first, [&](int i) { return dyv[i]; });
         },
-        streaming ? elements_to_alignment(dx) : 0);
+        rows.streaming ? elements_to_alignment(dx) : 0);
   }
 
   // part[0, c) = term (first row of a chunk) or part + term.
@@ -541,11 +621,11 @@ struct NormCpu {
   }
 
   // Row chunks of the backward pass, a function of (M, D) only so the gradients don't depend on the thread count:
-  // at least 8 (when M allows) for parallelism, more for large M (up to 64) while each keeps >= 16 rows so the
-  // partials and their reduction stay small next to the row pass; dweight + dbias partials capped at 16 MB.
+  // kMinChunks, more for large M (up to 64) while each keeps kRowsPerChunk rows so the partials and their reduction
+  // stay small next to the row pass; dweight + dbias partials capped at 16 MB.
   static int64_t backward_chunks(int64_t M, int64_t D) {
     const int64_t by_memory = (int64_t{16} << 20) / (2 * D * static_cast<int64_t>(sizeof(A)));
-    return std::max<int64_t>(1, std::min({int64_t{64}, M, by_memory, std::max<int64_t>(8, M / 16)}));
+    return std::max<int64_t>(1, std::min({int64_t{64}, by_memory, std::max(kMinChunks, M / kRowsPerChunk)}));
   }
 };
 
