@@ -40,7 +40,8 @@ Norm = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 @dataclass(frozen=True)
 class Timing:
-    """How long to time each provider of a case: `seconds` in all, split over `rounds` interleaved rounds."""
+    """How long to time each provider of a case: `seconds` in all. On CUDA in `rounds` interleaved rounds; on the
+    CPU in rounds of CPU_BLOCK_SECONDS each (see measure)."""
 
     seconds: float
     rounds: int
@@ -48,6 +49,9 @@ class Timing:
 
 FULL = Timing(seconds=1.0, rounds=5)
 QUICK = Timing(seconds=0.3, rounds=3)
+# A CPU round runs each provider for about this long. A shared machine has slow spells of tens of milliseconds that
+# would decide a comparison of long blocks; rounds this short put every provider in each spell alike.
+CPU_BLOCK_SECONDS = 0.005
 
 
 @dataclass(frozen=True)
@@ -205,9 +209,19 @@ def resolve_providers(op: str, device: str, names: Sequence[str]) -> list[str]:
 # Timing.
 
 
-def _cpu_times(fn: Callable[[], object], seconds: float) -> list[float]:
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=seconds).times
+def _cpu_interleaved_times(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, list[float]]:
+    """Seconds per call of each function, from short blocks of calls, alternating between the functions (in an
+    order that rotates every round), `seconds` for each in all."""
+    threads = torch.get_num_threads()
+    timers = {name: Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads) for name, fn in fns.items()}
+    calls = {name: max(1, round(CPU_BLOCK_SECONDS / timer.timeit(1).mean)) for name, timer in timers.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for round_index in range(max(3, round(seconds / CPU_BLOCK_SECONDS))):
+        start = round_index % len(names)
+        for name in names[start:] + names[:start]:
+            samples[name].append(timers[name].timeit(calls[name]).mean)
+    return samples
 
 
 def _cuda_times(fn: Callable[[], object], seconds: float) -> list[float]:
@@ -231,11 +245,13 @@ def _cuda_times(fn: Callable[[], object], seconds: float) -> list[float]:
 
 def measure(fns: dict[str, Callable[[], object]], device: str, timing: Timing) -> dict[str, float]:
     """Median milliseconds of each function, timed in interleaved rounds so that noise hits all alike."""
-    time_once = _cuda_times if device == "cuda" else _cpu_times
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(timing.rounds):
-        for name, fn in fns.items():
-            samples[name] += time_once(fn, timing.seconds / timing.rounds)
+    if device == "cuda":
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(timing.rounds):
+            for name, fn in fns.items():
+                samples[name] += _cuda_times(fn, timing.seconds / timing.rounds)
+    else:
+        samples = _cpu_interleaved_times(fns, timing.seconds)
     return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
