@@ -382,6 +382,20 @@ def test_streaming_stores(norm, d, dtype):
         assert torch.equal(ours[name][rows], small[name]), f"streamed {name} differs from the cached stores' {name}"
 
 
+# The CPU backward splits columns below 32 rows and sums per-chunk partial rows from 32 on (csrc/cpu/norm_cpu.cpp,
+# kMinRowsForChunks); the parity shapes sit far from that boundary.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [31, 32])  # the last row count split by columns, the first split in row chunks
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_split_boundary(norm, m, dtype, device):
+    d = 2053  # prime, just over one 2048-column block of the column split: a second, partial block
+    x = torch.randn(m, d, device=device).to(dtype)
+    grad_out = torch.randn(m, d, device=device).to(dtype)
+    weight, bias = make_params(norm, (d,), True, norm.has_bias, dtype, device)
+    check_against_torch_and_reference(norm, x, weight, bias, grad_out, (d,), norm.default_eps, dtype, m)
+
+
 def _rms_error(t: torch.Tensor, ref64: torch.Tensor) -> float:
     return (t.double() - ref64).square().mean().sqrt().item()
 

@@ -211,13 +211,16 @@ def resolve_providers(op: str, device: str, names: Sequence[str]) -> list[str]:
 
 def _cpu_interleaved_times(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, list[float]]:
     """Seconds per call of each function, from short blocks of calls, alternating between the functions (in an
-    order that rotates every round), `seconds` for each in all."""
+    order that rotates every round), about `seconds` for each in all (at least 3 rounds)."""
     threads = torch.get_num_threads()
     timers = {name: Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads) for name, fn in fns.items()}
-    calls = {name: max(1, round(CPU_BLOCK_SECONDS / timer.timeit(1).mean)) for name, timer in timers.items()}
+    call_seconds = {name: timer.timeit(1).mean for name, timer in timers.items()}
+    calls = {name: max(1, round(CPU_BLOCK_SECONDS / t)) for name, t in call_seconds.items()}
+    # A block is one call at least: a slow provider makes the rounds longer, so fewer of them fill `seconds`.
+    rounds = max(3, round(seconds / max(CPU_BLOCK_SECONDS, *call_seconds.values())))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
-    for round_index in range(max(3, round(seconds / CPU_BLOCK_SECONDS))):
+    for round_index in range(rounds):
         start = round_index % len(names)
         for name in names[start:] + names[:start]:
             samples[name].append(timers[name].timeit(calls[name]).mean)
