@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import math
 import re
 import statistics
@@ -256,6 +257,27 @@ def measure(fns: dict[str, Callable[[], object]], device: str, timing: Timing) -
     else:
         samples = _cpu_interleaved_times(fns, timing.seconds)
     return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+
+
+def keep_freed_memory() -> str:
+    """Tells glibc's malloc to keep freed memory for reuse instead of returning it to the OS; returns what was done.
+
+    With its defaults, whether a large output lands on pages already mapped or on fresh ones that fault in on first
+    touch depends on what the previously timed provider allocated and freed: a cost of the allocator, decided by the
+    call order, that would swamp differences between kernels. (Fresh pages also cost streaming stores, torch_ln's
+    for large outputs, more than plain ones: the page is zeroed into the cache, then written around it.) CPU
+    deployments that care use jemalloc or tcmalloc, which also keep memory; --malloc-defaults times without this.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "malloc: not glibc, left as it is"
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    # The mmap threshold's largest allowed value (32 MiB on 64-bit); setting it also stops glibc moving it.
+    if mallopt(m_trim_threshold, 2**30) != 1 or mallopt(m_mmap_threshold, 32 * 2**20) != 1:
+        return "malloc: glibc refused the settings, left as it is"
+    return "malloc: glibc keeps freed memory (trim threshold 1 GiB, mmap threshold 32 MiB)"
 
 
 def copy_bandwidth(device: str, nbytes: int) -> float:
@@ -540,6 +562,9 @@ def cli(op: str, argv: Sequence[str] | None = None) -> int:
         "--bytes", type=parse_bytes, help="input size per case (M*D*element_size); default 2GiB on cuda, 16MiB on cpu"
     )
     parser.add_argument("--quick", action="store_true", help=f"D in {QUICK_D} unless --D, shorter timing")
+    parser.add_argument(
+        "--malloc-defaults", action="store_true", help="CPU: leave glibc's malloc as it is (see keep_freed_memory)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not cuda:
         parser.error("CUDA is not available")
@@ -552,6 +577,8 @@ def cli(op: str, argv: Sequence[str] | None = None) -> int:
         f"torch_ln.{op} on {device_name(args.device)}; torch {torch.__version__}; "
         f"{case_bytes / 2**20:.0f} MiB of input per case"
     )
+    if args.device == "cpu" and not args.malloc_defaults:
+        print(keep_freed_memory())
     copy_gbps = copy_bandwidth(args.device, max(case_bytes, 256 * 2**20))
     print(f"copy bandwidth: {copy_gbps:.1f} GB/s")
     providers = resolve_providers(op, args.device, args.providers)
