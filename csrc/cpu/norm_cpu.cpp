@@ -120,7 +120,7 @@ void store_group(S* p, const Group<A>& g, int64_t n) {
 // Streaming (non-temporal) stores write an output around the caches: no read of each line before it is
 // overwritten, and the input keeps its place in the cache. They pay off once the output would not stay in a core's
 // L2 for its reader anyway: from 1 MiB of output per thread (the L2 of current x86 server cores). Measured on the
-// 2-core dev VM, float32 LayerNorm forward at D=4096: 25% slower at 0.5 MiB per thread, 15-20% faster from 2 MiB.
+// 2-core dev VM, float32 LayerNorm forward at D=4096: 25% slower at 0.5 MiB per thread, ~15% faster from 2 MiB.
 constexpr int64_t kStreamingBytesPerThread = int64_t{1} << 20;
 constexpr int64_t kStreamAlignment = 32;  // bytes: one AVX register
 
@@ -132,7 +132,7 @@ bool use_streaming_stores(int64_t output_bytes) {
 #endif
 }
 
-// Elements before p + head is kStreamAlignment-aligned: a row's first step, so that its full steps can stream.
+// Elements from p to the next kStreamAlignment boundary: a row's first step, after which its whole steps can stream.
 template <typename S>
 int64_t elements_to_alignment(const S* p) {
   const auto misalignment = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % kStreamAlignment);
