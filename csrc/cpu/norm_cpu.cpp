@@ -544,9 +544,7 @@ struct NormCpu {
                                          dbias ? db_sum : nullptr, r == 0, false);
         }
         for (const auto& [sum, out] : {std::pair{dw_sum, dweight}, std::pair{db_sum, dbias}}) {
-          if (out != nullptr)
-            for_each_step<A>(n,
-                             [&](int64_t j, int64_t c) { store_group<A>(out + j0 + j, load_group<A>(sum + j, c), c); });
+          if (out != nullptr) sum_chunks(sum, 1, kColumnBlock, out + j0, n);  // one "chunk": converted to W
         }
       }
       finish_streaming(rows.streaming);
@@ -556,16 +554,19 @@ struct NormCpu {
   // mean(g) and mean(g * xhat) of row r, g = dy * w (RMSNorm: mean(g) unused, 0). Zero when dx is not wanted.
   template <bool HasW, bool WantDx>
   static std::pair<A, A> gradient_means(const Rows& rows, int64_t r) {
-    if constexpr (!WantDx) return {A(0), A(0)};
-    const int64_t D = rows.D;
-    const T *dy = rows.dy + r * D, *x = rows.x + r * D;
-    const A mean = rows.mean_of(r);
-    const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
-      Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), rows.w + j, c), load_group<A>(x + j, c)};
-      for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
-      return t;
-    });
-    return {kCentered ? sums[0] / D : A(0), sums[1] * rows.rstd[r] / D};
+    if constexpr (!WantDx) {
+      return {A(0), A(0)};
+    } else {
+      const int64_t D = rows.D;
+      const T *dy = rows.dy + r * D, *x = rows.x + r * D;
+      const A mean = rows.mean_of(r);
+      const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
+        Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), rows.w + j, c), load_group<A>(x + j, c)};
+        for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
+        return t;
+      });
+      return {kCentered ? sums[0] / D : A(0), sums[1] * rows.rstd[r] / D};
+    }
   }
 
   // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, and the row's
