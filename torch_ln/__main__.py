@@ -53,8 +53,8 @@ def check_models(device: str) -> bool:
     return ok
 
 
-def time_shapes(device: str) -> bool:
-    """Prints torch_ln against torch eager on SHAPES; returns whether all torch_ln's results were accurate."""
+def time_shapes(device: str) -> list[benchmark.Result]:
+    """Prints torch_ln against torch eager on SHAPES; returns torch_ln's rows."""
     copy_gbps = benchmark.copy_bandwidth(device, 256 * 2**20)
     print(f"\ncopy bandwidth: {copy_gbps:.1f} GB/s; timing torch_ln against torch eager:")
     rows = []
@@ -69,7 +69,8 @@ def time_shapes(device: str) -> bool:
                     ):
                         benchmark.print_row(row)
                         rows.append(row)
-    return all(row.check == "ok" for row in rows if row.provider == "torch_ln")
+    benchmark.print_legend()
+    return [row for row in rows if row.provider == "torch_ln"]
 
 
 def main() -> int:
@@ -80,8 +81,14 @@ def main() -> int:
         f"extension has CUDA kernels: {torch_ln._extension.cuda_compiled()}"
     )
     ok = check_models(device)
-    ok &= time_shapes(device)
-    print("\nPASS" if ok else "\nFAIL")
+    ours = time_shapes(device)
+    ok &= all(row.check == "ok" for row in ours)
+    slower = sum(benchmark.is_slower(row) for row in ours)
+    # The exit status is about correctness; speed is reported, not judged (timings on a shared machine vary).
+    print(
+        f"\n{'PASS' if ok else 'FAIL'}: torch_ln's results {'agree' if ok else 'DISAGREE'} with torch and float64; "
+        f"torch_ln was SLOWER than torch eager in {slower} of {len(ours)} timed cases"
+    )
     return 0 if ok else 1
 
 
