@@ -21,6 +21,25 @@ def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
     return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
 
 
+def _call(op, input: Tensor, *args):
+    """op(input, *args), straight to the kernel when nothing needs autograd.
+
+    The autograd formula is registered in Python, so even a call that records nothing pays for boxing its arguments
+    into Python and redispatching (measured on the 2-core dev VM: 4x1024 float32, 61 us through it against 36 us
+    straight to the kernel; torch's own layer_norm 23 us). Only plain tensors outside torch.compile and torch.func
+    take the shortcut: those paths need the operator as registered.
+    """
+    tensors = [t for t in (input, *args) if isinstance(t, Tensor)]
+    if (
+        not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and all(type(t) is Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    ):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(input, *args)
+    return op(input, *args)
+
+
 def layer_norm(
     input: Tensor,
     normalized_shape: int | Sequence[int],
@@ -34,7 +53,7 @@ def layer_norm(
     bfloat16 inputs may come with float32 ``weight``/``bias`` (the output keeps the
     input's dtype); statistics are accumulated in float32 (float64 for float64 input).
     """
-    return _ops.layer_norm_fwd(input, _as_shape(normalized_shape), weight, bias, eps)[0]
+    return _call(_ops.layer_norm_fwd.default, input, _as_shape(normalized_shape), weight, bias, eps)[0]
 
 
 def rms_norm(
@@ -48,7 +67,7 @@ def rms_norm(
     ``eps=None`` uses torch's default: the machine epsilon of the accumulation dtype
     (float32's for float16/bfloat16/float32 input, float64's for float64 input).
     """
-    return _ops.rms_norm_fwd(input, _as_shape(normalized_shape), weight, eps)[0]
+    return _call(_ops.rms_norm_fwd.default, input, _as_shape(normalized_shape), weight, eps)[0]
 
 
 # Fake kernels: shapes and dtypes only, for torch.compile and torch.export.
