@@ -105,7 +105,7 @@ def _per_sample(op, batch_size: int, in_dims: Sequence[int | None], args: Sequen
     """One call per sample, stacked: only for a vmapped weight or bias, which the kernels take one of."""
 
     def sample(i: int) -> list:
-        return [a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]
+        return [a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)]
 
     results = [op(*sample(i)) for i in range(batch_size)]
     return tuple(torch.stack(outputs) for outputs in zip(*results)), (0,) * len(results[0])
