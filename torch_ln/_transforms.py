@@ -116,7 +116,8 @@ def batching_rule(name: str) -> Callable:
     op, info, names = _op(name), OPS[name], _arg_names(name)
 
     def rule(vmap_info, in_dims, *args):
-        args, _ = torch._library.utils.fill_defaults(op._schema, args, {})  # the dispatcher drops defaulted ones
+        if len(args) < len(names):  # the dispatcher drops arguments left at their defaults
+            args, _ = torch._library.utils.fill_defaults(op._schema, args, {})
         in_dims = (*in_dims, *(None,) * (len(args) - len(in_dims)))
         dims = dict(zip(names, in_dims))
         if any(dims[p] is not None for p in info.params):
@@ -197,12 +198,13 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
     )
 
     def autograd_kernel(keyset, *args):
-        args, _ = torch._library.utils.fill_defaults(op._schema, args, {})
-        if torch._C._are_functorch_transforms_active():
+        if len(args) < len(names):  # the dispatcher drops arguments left at their defaults (fill_defaults is slow)
+            args, _ = torch._library.utils.fill_defaults(op._schema, args, {})
+        if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_active():
+            if not torch._C._are_functorch_transforms_active():
+                return function.apply(*args)
             with enable_single_level_autograd_function():
                 return function.apply(*args)
-        if _forward_ad_active() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
-            return function.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
