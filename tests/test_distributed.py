@@ -13,6 +13,8 @@ import datetime
 import json
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -287,3 +289,31 @@ def test_two_cpu_ranks(cpu_results, scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_one_cuda_rank(cuda_results, scenario):
     _assert_ok(cuda_results, scenario)
+
+
+_CHECK_REGISTERED = """
+import sys, torch
+{imports}
+from torch.distributed.tensor import DTensor
+strategies = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+missing = [n for n in torch_ln._transforms.OPS if getattr(torch.ops.torch_ln, n).default not in strategies]
+assert not missing, missing
+"""
+
+
+def test_sharding_registered_whichever_is_imported_first():
+    """torch_ln registers its strategies when DTensor loads, before or after torch_ln (which does not load it)."""
+    orders = {
+        "torch_ln first": "import torch_ln\nassert 'torch.distributed.tensor' not in sys.modules\n"
+        "import torch.distributed.tensor",
+        "DTensor first": "import torch.distributed.tensor\nimport torch_ln",
+    }
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _CHECK_REGISTERED.format(imports=imports)], stderr=subprocess.PIPE
+        )
+        for name, imports in orders.items()
+    }
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, f"{name}:\n{err.decode()}"

@@ -158,7 +158,7 @@ def _forward_ad_active() -> bool:
 
 def register_autograd(qualname: str, backward: Callable, *, setup_context: Callable) -> None:
     """torch.library.register_autograd for a torch_ln forward op, through an autograd.Function that torch.func
-    accepts: it has setup_context, the op's jvp and its batching rule (torch's generated Function has neither).
+    can use (torch's generated one has no setup_context, which torch.func requires) and that has the op's jvp.
     """
     name = qualname.split("::")[1]
     op, info, names = _op(name), OPS[name], _arg_names(name)
@@ -194,6 +194,7 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
             "setup_context": staticmethod(setup),
             "backward": staticmethod(backward),
             "jvp": staticmethod(jvp),
+            "_compiled_autograd_key": staticmethod(torch.autograd.Function._compiled_autograd_key),
         },
     )
 
