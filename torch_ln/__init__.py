@@ -8,7 +8,39 @@ from torch_ln import _extension
 
 _extension.load()
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+import torch
+
 from torch_ln.modules import LayerNorm, RMSNorm, replace_norms
 from torch_ln.ops import layer_norm, rms_norm
+
+
+class _RegisterShardingAfterDTensorLoads(importlib.abc.MetaPathFinder):
+    """Imports torch_ln._distributed (the DTensor sharding strategies) right after torch.distributed.tensor:
+    importing DTensor up front would cost every `import torch_ln` seconds."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch.distributed.tensor":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            importlib.import_module("torch_ln._distributed")
+
+        spec.loader.exec_module = exec_then_register  # this module's own loader object
+        return spec
+
+
+if "torch.distributed.tensor" in sys.modules:
+    importlib.import_module("torch_ln._distributed")
+elif torch.distributed.is_available():  # builds without torch.distributed have no DTensor
+    sys.meta_path.insert(0, _RegisterShardingAfterDTensorLoads())
 
 __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "replace_norms", "rms_norm"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torch_ln import reference
+from torch_ln import _transforms, reference
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -118,9 +118,10 @@ def _(grad_out, input, normalized_shape, rstd, weight, output_mask):
 
 # Autograd. The forward saves mean and rstd; the backward kernels use them and
 # never recompute the statistics. When the backward itself must be
-# differentiable (create_graph=True, for double backward), the gradients come
-# from differentiating the pure-torch reference instead, so that their
-# dependence on the input, weight and grad_out is part of the graph.
+# differentiable (create_graph=True, for double backward; torch.func always
+# asks for it), the gradients come from the closed-form backward in torch ops
+# (reference.norm_backward), so that their dependence on the input, weight and
+# grad_out is part of the graph.
 
 
 def _save_for_backward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, statistics: tuple) -> None:
@@ -140,15 +141,6 @@ def _sum_rows(grad_out: Tensor, normalized_shape: Sequence[int], dtype: torch.dt
     return grad_out.sum(batch_dims, dtype=reference.accumulation_dtype(dtype)).to(dtype)
 
 
-def _differentiable_grads(norm, grad_out: Tensor, tensors: tuple, needs: tuple, *args) -> list[Tensor | None]:
-    """Gradients of `norm(input, normalized_shape, weight[, bias], eps)` that are themselves differentiable."""
-    wanted = [t for t, need in zip(tensors, needs) if need]
-    with torch.enable_grad():
-        out = norm(*tensors[:1], *args[:1], *tensors[1:], *args[1:])
-    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True))
-    return [next(grads) if need else None for need in needs]
-
-
 def _layer_norm_setup_context(ctx, inputs, output):
     input, normalized_shape, weight, bias, eps = inputs
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
@@ -161,13 +153,8 @@ def _layer_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     if input is None:
         return None, None, None, _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype), None
     if _needs_double_backward(grad_out, input, weight, bias):
-        dx, dweight, dbias = _differentiable_grads(
-            reference.layer_norm,
-            grad_out,
-            (input, weight, bias),
-            (needs_dx, needs_dweight, needs_dbias),
-            ctx.normalized_shape,
-            ctx.eps,
+        dx, dweight, dbias = reference.norm_backward(
+            grad_out, input, ctx.normalized_shape, weight, bias, ctx.eps, centred=True
         )
     else:
         dx, dweight, dbias = _ops.layer_norm_bwd(
@@ -186,8 +173,8 @@ def _rms_norm_backward(ctx, grad_out, _grad_rstd):
     input, weight, _, rstd = ctx.saved_tensors
     needs_dx, _, needs_dweight, _ = ctx.needs_input_grad
     if _needs_double_backward(grad_out, input, weight):
-        dx, dweight = _differentiable_grads(
-            reference.rms_norm, grad_out, (input, weight), (needs_dx, needs_dweight), ctx.normalized_shape, ctx.eps
+        dx, dweight, _ = reference.norm_backward(
+            grad_out, input, ctx.normalized_shape, weight, None, ctx.eps, centred=False
         )
     else:
         dx, dweight = _ops.rms_norm_bwd(grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight])
@@ -198,10 +185,9 @@ def _needs_double_backward(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-torch.library.register_autograd(
-    "torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context
-)
-torch.library.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
+# As torch.library.register_autograd, plus what torch.func needs (jvp, batching): see torch_ln/_transforms.py.
+_transforms.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)
+_transforms.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 # Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln.
 # (CPU autocast leaves both at the input's dtype, which needs no registration.)
