@@ -7,6 +7,7 @@ a minute); both are cached in build/ (CMake rebuilds what changed; the package i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from norm_cases import DEVICES
 
 import torch_ln
 
@@ -50,14 +52,14 @@ def example_build() -> Path:
     return build
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
+@functools.cache
+def _model_dir(device: str) -> Path:
     # The package depends on the script, torch, the schemas and the Python side of the operators (fake kernels).
     sources = [EXAMPLE / "make_model.py", ROOT / "csrc" / "norm_ops.cpp", *sorted((ROOT / "torch_ln").glob("*.py"))]
     key = hashlib.sha256(torch.__version__.encode() + b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
-    out = ROOT / "build" / "cpp_example_model" / key
+    out = ROOT / "build" / "cpp_example_model" / f"{device}-{key}"
     if not (out / "python_outputs.pt").exists():  # written last
-        _run([sys.executable, EXAMPLE / "make_model.py", out])
+        _run([sys.executable, EXAMPLE / "make_model.py", out, "--device", device])
     return out
 
 
@@ -78,7 +80,9 @@ def test_cpp_api_matches_torch_and_python(example_build, tmp_path, shape, dtype)
     torch.testing.assert_close(rms_norm, torch_ln.rms_norm(x, weight.shape, weight), rtol=0, atol=0)
 
 
-def test_aoti_package_runs_from_cpp_as_in_python(example_build, model_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_aoti_package_runs_from_cpp_as_in_python(example_build, tmp_path, device):
+    model_dir = _model_dir(device)
     result = _run([example_build / "run_aoti", model_dir / "model.pt2", model_dir / "inputs.pt", tmp_path / "out.pt"])
     # run_aoti calls nothing of torch_ln: linking torch_ln::torch_ln alone registered the operators.
     assert "torch_ln::layer_norm_fwd registered: yes" in result.stdout, result.stdout
