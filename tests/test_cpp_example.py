@@ -43,11 +43,17 @@ def _run(command: list, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def example_build() -> Path:
-    build = ROOT / "build" / "cpp_example" / f"torch-{torch.__version__}"
+    configure = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        f"-DPython_EXECUTABLE={sys.executable}",
+        # As Ubuntu's compiler links by default: libraries nothing references are dropped. run_aoti references
+        # nothing of torch_ln, so it keeps libtorch_ln (and its operators) only through torch_ln::torch_ln.
+        "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--as-needed",
+    ]
+    key = hashlib.sha256(" ".join([torch.__version__, *configure]).encode()).hexdigest()[:16]
+    build = ROOT / "build" / "cpp_example" / key
     if not (build / "CMakeCache.txt").exists():
-        _run(
-            ["cmake", "-S", EXAMPLE, "-B", build, "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}"]
-        )
+        _run(["cmake", "-S", EXAMPLE, "-B", build, *configure])
     _run(["cmake", "--build", build, "--parallel", os.environ.get("MAX_JOBS", "2")])
     return build
 
