@@ -50,7 +50,14 @@ def example_build() -> Path:
         # nothing of torch_ln, so it keeps libtorch_ln (and its operators) only through torch_ln::torch_ln.
         "-DCMAKE_EXE_LINKER_FLAGS=-Wl,--as-needed",
     ]
-    key = hashlib.sha256(" ".join([torch.__version__, *configure]).encode()).hexdigest()[:16]
+    # A new configuration (not only a rebuild) when these change: CMake does not watch the package's config file.
+    inputs = [
+        EXAMPLE / "CMakeLists.txt",
+        EXAMPLE / "python_env.py",
+        *Path(torch_ln.cmake_prefix_path()).rglob("*.cmake"),
+    ]
+    text = " ".join([torch.__version__, *configure]).encode() + b"".join(p.read_bytes() for p in inputs)
+    key = hashlib.sha256(text).hexdigest()[:16]
     build = ROOT / "build" / "cpp_example" / key
     if not (build / "CMakeCache.txt").exists():
         _run(["cmake", "-S", EXAMPLE, "-B", build, *configure])

@@ -19,12 +19,14 @@ if(NOT TARGET torch_ln::torch_ln)
   add_library(torch_ln::torch_ln INTERFACE IMPORTED)
   # --no-as-needed: a linker that drops libraries nothing references (the default on Debian and Ubuntu) would
   # otherwise drop libtorch_ln from a program that uses the operators only through the dispatcher.
+  # torch first: the loader then finds libtorch_ln's CUDA dependencies (libc10_cuda, libcudart) through torch's
+  # libraries, which know where they lie, even when the program itself does not need them.
   # cxx_std_20: torch 2.14's headers need it. (A global CMAKE_CXX_STANDARD would also reach torch's CMake
   # config, which makes it the CUDA standard of its GPU probe, and nvcc rejects CUDA 20 there.)
   set_target_properties(torch_ln::torch_ln PROPERTIES
     INTERFACE_COMPILE_FEATURES cxx_std_20
     INTERFACE_INCLUDE_DIRECTORIES "${_torch_ln_package}/include"
-    INTERFACE_LINK_LIBRARIES "-Wl,--push-state,--no-as-needed;${_torch_ln_library};-Wl,--pop-state;torch")
+    INTERFACE_LINK_LIBRARIES "torch;-Wl,--push-state,--no-as-needed;${_torch_ln_library};-Wl,--pop-state")
 endif()
 
 set(torch_ln_LIBRARY "${_torch_ln_library}")
