@@ -52,12 +52,19 @@ def rms_norm(
     normalized_shape: Sequence[int],
     weight: Tensor | None = None,
     eps: float | None = None,
+    weight_offset: float = 0.0,
+    round_normalized: bool = False,
 ) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, in float32 (float64 for float64 input)."""
+    """x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), in float32 (float64 for float64 input).
+
+    ``round_normalized``: the normalized value is rounded to the input's dtype before the weight multiply.
+    """
     dims = _normalized_dims(input, normalized_shape)
     x = input.to(accumulation_dtype(input.dtype))
     eps = default_rms_eps(input.dtype) if eps is None else eps
     y = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+    if round_normalized:
+        y = y.to(input.dtype).to(y.dtype)
     if weight is not None:
-        y = y * weight.to(y.dtype)
+        y = y * (weight.to(y.dtype) + weight_offset)
     return y.to(input.dtype)
