@@ -357,8 +357,8 @@ MODELS = {
     "bert": (_bert, {"LayerNorm"}),
     "vit": (_vit, {"LayerNorm"}),
     "timm_vit": (_timm_vit, {"LayerNorm"}),
-    "timm_convnext": (_timm_convnext, {"LayerNorm", "LayerNorm2d"}),
-    "timm_convnext_channels_last": (lambda: _timm_convnext(channels_last=True), {"LayerNorm", "LayerNorm2d"}),
+    "timm_convnext": (_timm_convnext, {"LayerNorm2d"}),
+    "timm_convnext_channels_last": (lambda: _timm_convnext(channels_last=True), {"LayerNorm2d"}),
 }
 
 
