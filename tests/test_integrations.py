@@ -194,6 +194,59 @@ def test_cohere_per_head_weight():
     assert x.grad is not None and swapped.weight.grad.shape == (4, 16)
 
 
+ROUNDING = [
+    pytest.param({"round_normalized": True}, id="round_normalized"),
+    pytest.param({"weight_offset": 1.0}, id="weight_offset"),
+    pytest.param({"weight_offset": 1.0, "round_normalized": True}, id="both"),
+]
+
+
+@pytest.mark.parametrize("rounding", ROUNDING)
+@pytest.mark.parametrize(
+    "dtype, param_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+# M=1 and prime D (scalar tails); 1 and 5 rows: the CPU backward's column split (< 32 rows); 37 and 64 rows: its
+# row chunks; D=4099: the forward's long-row path.
+@pytest.mark.parametrize("rows, cols", [(1, 1021), (5, 4099), (37, 64), (64, 2048)])
+def test_rounding_options_cpu_kernels(rounding, dtype, param_dtype, rows, cols):
+    """The CPU forward is the rounding model (torch_ln.reference.apply_weight on the kernel's own rstd) bit for
+    bit; the backward is held to the tolerance table against autograd of that model in the input's precision,
+    and to the accuracy rule against float64."""
+    torch.manual_seed(4)
+    x = (2 * torch.randn(rows, cols)).to(dtype)
+    weight = (0.5 * torch.randn(cols)).to(param_dtype)
+    y, rstd = torch.ops.torch_ln.rms_norm_fwd(x, [cols], weight, 1e-5, **rounding)
+    assert torch.equal(y, reference.apply_weight(x, x.to(rstd.dtype) * rstd, weight, **rounding))
+    grad_out = torch.randn(rows, cols).to(dtype)
+    results = []
+    for fn, cast in [(torch_ln.rms_norm, None), (reference.rms_norm, None), (reference.rms_norm, torch.float64)]:
+        xl = x.detach().to(cast or dtype).requires_grad_()
+        wl = weight.detach().to(cast or param_dtype).requires_grad_()
+        fn(xl, (cols,), wl, 1e-5, **rounding).backward(grad_out.to(cast or dtype))
+        results.append({"dx": xl.grad, "dweight": wl.grad})
+    ours, model, ref64 = results
+    for name in ("dx", "dweight"):
+        assert_close_to_torch(name, ours[name], model[name], dtype, rows=rows)
+        assert_accuracy(name, ours[name], model[name], ref64[name], dtype, rows=rows)
+
+
+@pytest.mark.parametrize("rounding", ROUNDING)
+def test_rounding_options_double_backward(rounding):
+    """Double backward (create_graph) differentiates the reference with the same options."""
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, w: torch_ln.rms_norm(x, (7,), w, 1e-5, **rounding)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w))
+    assert torch.autograd.gradgradcheck(fn, (x, w))
+
+
 def test_rms_norm_options_need_a_weight_for_the_offset():
     with pytest.raises(ValueError, match="expected a weight with weight_offset=1"):
         torch_ln.rms_norm(torch.randn(2, 8), (8,), None, weight_offset=1.0)

@@ -62,9 +62,17 @@ def rms_norm(
     dims = _normalized_dims(input, normalized_shape)
     x = input.to(accumulation_dtype(input.dtype))
     eps = default_rms_eps(input.dtype) if eps is None else eps
-    y = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
-    if round_normalized:
-        y = y.to(input.dtype).to(y.dtype)
+    return apply_weight(
+        input, x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps), weight, weight_offset, round_normalized
+    )
+
+
+def apply_weight(
+    input: Tensor, normalized: Tensor, weight: Tensor | None, weight_offset: float = 0.0, round_normalized: bool = False
+) -> Tensor:
+    """The output from the normalized input (in the accumulation dtype), rounded as the kernels do: optionally to
+    the input's dtype before the product with (weight + weight_offset), and to the input's dtype at the end."""
+    y = normalized.to(input.dtype).to(normalized.dtype) if round_normalized else normalized
     if weight is not None:
         y = y * (weight.to(y.dtype) + weight_offset)
     return y.to(input.dtype)
