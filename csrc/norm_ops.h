@@ -134,9 +134,9 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                 const std::optional<at::Tensor>& weight, std::optional<double> eps,
                                                 double weight_offset, bool round_normalized) {
-  const auto out = run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
-                                        eps.value_or(default_rms_eps(input.scalar_type())),
-                                        {weight_offset, round_normalized});
+  const auto out =
+      run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
+                           eps.value_or(default_rms_eps(input.scalar_type())), {weight_offset, round_normalized});
   return {out[0], out[2]};
 }
 

@@ -9,21 +9,20 @@ import math
 
 import pytest
 import torch
+from norm_cases import assert_accuracy, assert_close_to_torch
 from torch import nn
 
 import torch_ln
 from torch_ln import integrations, reference
 from torch_ln.modules import _is_torch_ln
 
-from norm_cases import assert_accuracy, assert_close_to_torch
-
 transformers = pytest.importorskip("transformers", reason="the transformers tests need transformers (pip install)")
 timm = pytest.importorskip("timm", reason="the timm tests need timm (pip install)")
 
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
-from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
-from transformers.models.cohere.modeling_cohere import CohereLayerNorm  # noqa: E402
+from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 REDUCED = [torch.bfloat16, torch.float16]
 
@@ -242,7 +241,7 @@ def test_rounding_options_double_backward(rounding):
     """Double backward (create_graph) differentiates the reference with the same options."""
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, dtype=torch.float64, requires_grad=True)
-    fn = lambda x, w: torch_ln.rms_norm(x, (7,), w, 1e-5, **rounding)  # noqa: E731
+    fn = lambda x, w: torch_ln.rms_norm(x, (7,), w, 1e-5, **rounding)
     assert torch.autograd.gradcheck(fn, (x, w))
     assert torch.autograd.gradgradcheck(fn, (x, w))
 
@@ -324,9 +323,11 @@ def test_patch_transformers_builds_torch_ln_norms():
     assert len(norms) == 2 * config.num_hidden_layers + 1 and all(_is_torch_ln(m) for m in norms)
     # Restored afterwards.
     assert not any(_is_torch_ln(m) for m in transformers.LlamaForCausalLM(config).modules())
-    with pytest.raises(ValueError, match="expected a norm class torch_ln recognizes"):
-        with integrations.patch_transformers("bert"):
-            pass
+    with (
+        pytest.raises(ValueError, match="expected a norm class torch_ln recognizes"),
+        integrations.patch_transformers("bert"),
+    ):
+        pass
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ from torch_ln import _extension
 
 _extension.load()
 
+from torch_ln import integrations
 from torch_ln.modules import LayerNorm, RMSNorm, forward_converter, register_norm, replace_norms
 from torch_ln.ops import layer_norm, rms_norm
-from torch_ln import integrations  # noqa: E402,I001 (registers the transformers/timm resolver)
 
 __all__ = [
     "LayerNorm",

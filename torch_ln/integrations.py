@@ -137,8 +137,13 @@ def arithmetic_signature(cls: type) -> str | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
         return None
+    return class_signature(tree.body[0]) if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
+
+
+def class_signature(class_def: ast.ClassDef) -> str | None:
+    """arithmetic_signature of a parsed class definition."""
     methods = {}
-    for node in tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []:
+    for node in class_def.body:
         if isinstance(node, ast.FunctionDef) and node.name in _ARITHMETIC_METHODS:
             body = node.body
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
@@ -222,4 +227,3 @@ def patch_transformers(*model_types: str) -> Iterator[list[str]]:
 def swappable(cls: type) -> bool:
     """Whether :func:`torch_ln.replace_norms` swaps modules of class ``cls``."""
     return converter_for(cls) is not None
-

@@ -70,7 +70,7 @@ def converter_for(cls: type) -> Converter | None:
     return _CONVERTERS.get(cls)
 
 
-class forward_converter:  # noqa: N801 (used like a function)
+class forward_converter:
     """A converter that re-classes a module to a subclass of its own class whose ``forward`` is ``forward``.
 
     The subclass keeps the class name (transformers initializes weights by class name), and is created

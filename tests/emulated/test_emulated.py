@@ -87,7 +87,7 @@ def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5, **rounding):
     ours, stats = _emulated(kind, x, weight, bias, dy, eps, **rounding)
     fn = _torch_norm(kind, eps)
     if rounding:
-        fn = lambda x, w, b: reference.rms_norm(x, x.shape[-1:], w, eps, **rounding)  # noqa: E731
+        fn = lambda x, w, b: reference.rms_norm(x, x.shape[-1:], w, eps, **rounding)
     # torch's CPU backward rejects a float32 bias with no weight beside a half input;
     # a weight of ones gives it the same computation.
     torch_weight = weight
