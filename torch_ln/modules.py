@@ -41,6 +41,7 @@ _CONVERTERS: dict[type, Converter] = {}
 # Called with a class the registry does not hold: each returns a converter or None, and a found one is registered
 # (torch_ln.integrations recognizes transformers' and timm's classes this way, importing neither itself).
 _RESOLVERS: list[Callable[[type], Converter | None]] = []
+_UNRESOLVED: set[type] = set()
 
 logger = logging.getLogger("torch_ln")
 
@@ -61,12 +62,14 @@ def register_norm(cls: type, converter: Converter) -> None:
 
 def converter_for(cls: type) -> Converter | None:
     """The converter :func:`replace_norms` uses for modules of class ``cls``, or None (left untouched)."""
-    if cls not in _CONVERTERS:
+    if cls not in _CONVERTERS and cls not in _UNRESOLVED:
         for resolve in _RESOLVERS:
             converter = resolve(cls)
             if converter is not None:
                 _CONVERTERS[cls] = converter
                 break
+        else:
+            _UNRESOLVED.add(cls)  # the resolvers read source files: ask them once per class
     return _CONVERTERS.get(cls)
 
 
