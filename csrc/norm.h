@@ -13,6 +13,13 @@
 
 namespace torch_ln {
 
+// Where the weight product rounds, for norms that follow another library's arithmetic. The defaults are torch's:
+// xhat * weight in acc_t, rounded once at the end.
+struct RoundingOptions {
+  double weight_offset = 0;       // the weight enters as (weight + offset), added in acc_t (Gemma: 1)
+  bool round_normalized = false;  // xhat rounded to the input dtype before the weight multiply (Llama)
+};
+
 // Arguments of one forward call, already validated. x and y are [M, D] and
 // contiguous; weight and bias are [D] contiguous or undefined; mean and rstd
 // are [M] contiguous in the accumulation dtype (mean is undefined for RMSNorm).
@@ -21,6 +28,7 @@ struct ForwardArgs {
   double eps;
   at::Tensor y, mean, rstd;
   int64_t rows, cols;
+  RoundingOptions rounding = {};
 };
 
 // Arguments of one backward call. dy and x are [M, D] contiguous; mean/rstd as
@@ -29,6 +37,7 @@ struct BackwardArgs {
   at::Tensor dy, x, mean, rstd, weight;
   at::Tensor dx, dweight, dbias;
   int64_t rows, cols;
+  RoundingOptions rounding = {};
 };
 
 // The kernels one backend provides.

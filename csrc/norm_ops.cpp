@@ -83,6 +83,11 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
   if (mean.has_value()) check_stat("mean", *mean);
 }
 
+void check_rounding(const char* op, const RoundingOptions& rounding, const std::optional<at::Tensor>& weight) {
+  TORCH_CHECK_VALUE(weight.has_value() || rounding.weight_offset == 0, "torch_ln.", op,
+                    ": expected a weight with weight_offset=", rounding.weight_offset, ", but got weight=None");
+}
+
 at::ScalarType accumulation_dtype(at::ScalarType input) { return input == at::kDouble ? at::kDouble : at::kFloat; }
 
 std::vector<int64_t> statistics_shape(const at::Tensor& input, int64_t axis) {
@@ -111,10 +116,14 @@ void define_norm_schemas(torch::Library& m) {
       "layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd,"
       " Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
       tags);
-  m.def("rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps) -> (Tensor, Tensor)", tags);
+  // weight_offset and round_normalized: see RoundingOptions (csrc/norm.h); the defaults are torch's arithmetic.
+  m.def(
+      "rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, float weight_offset=0.,"
+      " bool round_normalized=False) -> (Tensor, Tensor)",
+      tags);
   m.def(
       "rms_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor rstd, Tensor? weight,"
-      " bool[2] output_mask) -> (Tensor, Tensor)",
+      " bool[2] output_mask, float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor)",
       tags);
 }
 

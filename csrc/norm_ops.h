@@ -25,6 +25,9 @@ RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntAr
 void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const RowShape& shape,
                            const at::Tensor& rstd, const std::optional<at::Tensor>& mean);
 
+// A weight offset needs a weight to offset.
+void check_rounding(const char* op, const RoundingOptions& rounding, const std::optional<at::Tensor>& weight);
+
 // float32 for float32/float16/bfloat16 input, float64 for float64 input.
 at::ScalarType accumulation_dtype(at::ScalarType input);
 
@@ -48,8 +51,10 @@ at::Tensor unrequested_grad(const at::Tensor& like);
 template <typename Backend>
 std::array<at::Tensor, 3> run_forward(NormKind kind, const char* op, const at::Tensor& input,
                                       at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-                                      const std::optional<at::Tensor>& bias, double eps) {
+                                      const std::optional<at::Tensor>& bias, double eps,
+                                      RoundingOptions rounding = {}) {
   const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
+  check_rounding(op, rounding, weight);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   ForwardArgs a{input.contiguous(),
                 contiguous_or_undefined(weight),
@@ -59,7 +64,8 @@ std::array<at::Tensor, 3> run_forward(NormKind kind, const char* op, const at::T
                 kind == NormKind::LayerNorm ? at::empty({s.rows}, stat_opts) : at::Tensor(),
                 at::empty({s.rows}, stat_opts),
                 s.rows,
-                s.cols};
+                s.cols,
+                rounding};
   if (s.rows > 0) Backend::kernels.forward(kind, a);
   const auto stat_shape = statistics_shape(input, s.axis);
   return {a.y, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
@@ -72,9 +78,10 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                                        const at::Tensor& input, at::IntArrayRef normalized_shape,
                                        const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                        const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                       std::array<bool, 3> output_mask) {
+                                       std::array<bool, 3> output_mask, RoundingOptions rounding = {}) {
   const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
   check_backward_inputs(op, grad_out, input, s, rstd, mean);
+  check_rounding(op, rounding, weight);
   BackwardArgs a{grad_out.contiguous(),
                  input.contiguous(),
                  mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
@@ -84,7 +91,8 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                  {},
                  {},
                  s.rows,
-                 s.cols};
+                 s.cols,
+                 rounding};
   if (output_mask[0]) a.dx = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   const bool want_dweight = output_mask[1] && weight.has_value();
   const bool want_dbias = output_mask[2] && bias.has_value();
@@ -124,9 +132,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
 
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                                const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  const auto out = run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
-                                        eps.value_or(default_rms_eps(input.scalar_type())));
+                                                const std::optional<at::Tensor>& weight, std::optional<double> eps,
+                                                double weight_offset, bool round_normalized) {
+  const auto out =
+      run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
+                           eps.value_or(default_rms_eps(input.scalar_type())), {weight_offset, round_normalized});
   return {out[0], out[2]};
 }
 
@@ -134,10 +144,11 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                 at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                 const std::optional<at::Tensor>& weight,
-                                                std::array<bool, 2> output_mask) {
-  const auto grads =
-      run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape, std::nullopt,
-                            rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false});
+                                                std::array<bool, 2> output_mask, double weight_offset,
+                                                bool round_normalized) {
+  const auto grads = run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape,
+                                           std::nullopt, rstd, weight, std::nullopt,
+                                           {output_mask[0], output_mask[1], false}, {weight_offset, round_normalized});
   return {grads[0], grads[1]};
 }
 

@@ -39,6 +39,14 @@ def test_model_check_line(result):
     assert lines[0].endswith("-> PASS")
 
 
+def test_hf_llama_check_line(result):
+    pytest.importorskip("transformers", reason="the HF Llama check needs transformers (pip install)")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("HF Llama check")]
+    assert len(lines) == 1, result.stdout
+    assert "5/5 LlamaRMSNorm replaced" in lines[0]  # 2 layers x 2 norms + the final norm
+    assert lines[0].endswith("-> PASS")
+
+
 def test_timing_table(result):
     lines = result.stdout.splitlines()
     headers = [line for line in lines if line.split()[:3] == ["dtype", "mode", "D"]]

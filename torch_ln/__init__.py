@@ -1,7 +1,8 @@
 """torch_ln: fast, deterministic LayerNorm and RMSNorm for PyTorch, as torch.library operators.
 
 Entry points: :func:`layer_norm`, :func:`rms_norm` (functional), :class:`LayerNorm`,
-:class:`RMSNorm` (drop-ins for the torch.nn modules) and :func:`replace_norms`; for C++,
+:class:`RMSNorm` (drop-ins for the torch.nn modules), :func:`replace_norms` (also for transformers' and
+timm's norm classes, see :mod:`torch_ln.integrations`) and :func:`register_norm`; for C++,
 :func:`cmake_prefix_path` (find_package(torch_ln) gives the target torch_ln::torch_ln).
 """
 
@@ -16,8 +17,9 @@ import sys
 
 import torch
 
+from torch_ln import integrations
 from torch_ln._extension import cmake_prefix_path
-from torch_ln.modules import LayerNorm, RMSNorm, replace_norms
+from torch_ln.modules import LayerNorm, RMSNorm, forward_converter, register_norm, replace_norms
 from torch_ln.ops import layer_norm, rms_norm
 
 
@@ -45,4 +47,14 @@ if "torch.distributed.tensor" in sys.modules:
 elif torch.distributed.is_available():  # builds without torch.distributed have no DTensor
     sys.meta_path.insert(0, _RegisterShardingAfterDTensorLoads())
 
-__all__ = ["LayerNorm", "RMSNorm", "cmake_prefix_path", "layer_norm", "replace_norms", "rms_norm"]
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "cmake_prefix_path",
+    "forward_converter",
+    "integrations",
+    "layer_norm",
+    "register_norm",
+    "replace_norms",
+    "rms_norm",
+]

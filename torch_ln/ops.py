@@ -61,13 +61,28 @@ def rms_norm(
     normalized_shape: int | Sequence[int],
     weight: Tensor | None = None,
     eps: float | None = None,
+    *,
+    weight_offset: float = 0.0,
+    round_normalized: bool = False,
 ) -> Tensor:
     """Root-mean-square normalization, as :func:`torch.nn.functional.rms_norm`.
 
     ``eps=None`` uses torch's default: the machine epsilon of the accumulation dtype
     (float32's for float16/bfloat16/float32 input, float64's for float64 input).
+
+    Two options reproduce other libraries' rounding (the defaults are torch's: the
+    normalized value times the weight in float32, rounded once to the input's dtype):
+
+    - ``weight_offset``: the weight enters as ``weight + weight_offset``, added in float32
+      (Gemma's ``1 + weight``).
+    - ``round_normalized``: the normalized value is rounded to the input's dtype before the
+      weight multiply, which then rounds again (Llama's ``weight * x_normed.to(input_dtype)``).
+      The backward follows the same rounding: ``dy * weight`` is rounded to the input's dtype,
+      and the weight gradient sums ``dy * rounded_xhat`` rounded to the input's dtype.
     """
-    return _call(_ops.rms_norm_fwd.default, input, _as_shape(normalized_shape), weight, eps)[0]
+    return _call(
+        _ops.rms_norm_fwd.default, input, _as_shape(normalized_shape), weight, eps, weight_offset, round_normalized
+    )[0]
 
 
 # Fake kernels: shapes and dtypes only, for torch.compile and torch.export.
@@ -93,7 +108,7 @@ def _(input, normalized_shape, weight, bias, eps):
 
 
 @torch.library.register_fake("torch_ln::rms_norm_fwd")
-def _(input, normalized_shape, weight, eps):
+def _(input, normalized_shape, weight, eps, weight_offset=0.0, round_normalized=False):
     return torch.empty_like(input, memory_format=torch.contiguous_format), _statistics(input, normalized_shape)
 
 
@@ -112,7 +127,7 @@ def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
 
 
 @torch.library.register_fake("torch_ln::rms_norm_bwd")
-def _(grad_out, input, normalized_shape, rstd, weight, output_mask):
+def _(grad_out, input, normalized_shape, rstd, weight, output_mask, weight_offset=0.0, round_normalized=False):
     return _fake_grads(input, (weight,), output_mask)
 
 
@@ -164,21 +179,30 @@ def _layer_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    input, normalized_shape, weight, eps = inputs
+    input, normalized_shape, weight, eps, *rounding = inputs
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
+    # The schema's defaults where a caller of the raw operator left them out.
+    weight_offset, round_normalized = (*rounding, *(0.0, False)[len(rounding) :])
+    ctx.rounding = {"weight_offset": weight_offset, "round_normalized": round_normalized}
     _save_for_backward(ctx, input, weight, None, output[1:])
 
 
 def _rms_norm_backward(ctx, grad_out, _grad_rstd):
     input, weight, _, rstd = ctx.saved_tensors
-    needs_dx, _, needs_dweight, _ = ctx.needs_input_grad
+    needs_dx, _, needs_dweight, *_ = ctx.needs_input_grad
     if _needs_double_backward(grad_out, input, weight):
+        # The offset enters as weight + offset (dweight is the same); round_normalized's roundings are not
+        # differentiable and this closed form leaves them out: it differs from the kernel by those roundings only.
+        offset_weight = weight + ctx.rounding["weight_offset"] if weight is not None else None
         dx, dweight, _ = reference.norm_backward(
-            grad_out, input, ctx.normalized_shape, weight, None, ctx.eps, centred=False
+            grad_out, input, ctx.normalized_shape, offset_weight, None, ctx.eps, centred=False
         )
     else:
-        dx, dweight = _ops.rms_norm_bwd(grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight])
-    return dx if needs_dx else None, None, dweight if needs_dweight else None, None
+        rounding = ctx.rounding.values()
+        dx, dweight = _ops.rms_norm_bwd(
+            grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight], *rounding
+        )
+    return dx if needs_dx else None, None, dweight if needs_dweight else None, None, None, None
 
 
 def _needs_double_backward(*tensors: Tensor | None) -> bool:

@@ -64,12 +64,25 @@ def rms_norm(
     normalized_shape: Sequence[int],
     weight: Tensor | None = None,
     eps: float | None = None,
+    weight_offset: float = 0.0,
+    round_normalized: bool = False,
 ) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, in float32 (float64 for float64 input)."""
+    """x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), in float32 (float64 for float64 input).
+
+    ``round_normalized``: the normalized value is rounded to the input's dtype before the weight multiply.
+    """
     x = input.to(accumulation_dtype(input.dtype))
-    y = x * rms_norm_rstd(x, normalized_shape, eps)
+    return apply_weight(input, x * rms_norm_rstd(x, normalized_shape, eps), weight, weight_offset, round_normalized)
+
+
+def apply_weight(
+    input: Tensor, normalized: Tensor, weight: Tensor | None, weight_offset: float = 0.0, round_normalized: bool = False
+) -> Tensor:
+    """The output from the normalized input (in the accumulation dtype), rounded as the kernels do: optionally to
+    the input's dtype before the product with (weight + weight_offset), and to the input's dtype at the end."""
+    y = normalized.to(input.dtype).to(normalized.dtype) if round_normalized else normalized
     if weight is not None:
-        y = y * weight.to(y.dtype)
+        y = y * (weight.to(y.dtype) + weight_offset)
     return y.to(input.dtype)
 
 

@@ -262,8 +262,20 @@ struct NormCpu {
 
   // A parameter as a contiguous acc_t tensor (itself when it already is one), so that the row loops never convert
   // it: once per call rather than once per row. Undefined stays undefined.
-  static at::Tensor as_acc(const at::Tensor& param) {
-    return param.defined() ? param.to(c10::CppTypeToScalarType<A>::value).contiguous() : param;
+  static at::Tensor as_acc(const at::Tensor& param, double offset = 0) {
+    if (!param.defined()) return param;
+    const at::Tensor converted = param.to(c10::CppTypeToScalarType<A>::value).contiguous();
+    return offset == 0 ? converted : converted.add(offset);  // the offset added in acc_t, as Gemma adds its 1
+  }
+
+  // v rounded to the input dtype and back (the identity when that is acc_t): Llama-style rounding.
+  static Group<A> round_to_input(Group<A> v) {
+    if constexpr (!std::is_same_v<T, A>) {
+      T rounded[kStep<A>];
+      store_group<A>(rounded, v, kStep<A>);
+      v = load_group<A>(rounded, kStep<A>);
+    }
+    return v;
   }
 
   // g = dy * w (dy without weight).
@@ -293,16 +305,17 @@ struct NormCpu {
     const int64_t D = a.cols;
     const T* x = a.x.const_data_ptr<T>();
     T* y = a.y.mutable_data_ptr<T>();
-    const at::Tensor weight = as_acc(a.weight), bias = as_acc(a.bias);
+    const at::Tensor weight = as_acc(a.weight, a.rounding.weight_offset), bias = as_acc(a.bias);
     const A* w = HasW ? weight.const_data_ptr<A>() : nullptr;
     const A* b = HasB ? bias.const_data_ptr<A>() : nullptr;
     A* mean = kCentered ? a.mean.mutable_data_ptr<A>() : nullptr;
     A* rstd = a.rstd.mutable_data_ptr<A>();
     const A eps = static_cast<A>(a.eps);
-    const bool streaming = use_streaming_stores(a.y.nbytes());
+    const bool streaming = use_streaming_stores(a.y.nbytes()), round = a.rounding.round_normalized;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
       for (const auto r : c10::irange(begin, end)) {
-        forward_row<HasW, HasB>(x + r * D, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming);
+        forward_row<HasW, HasB>(x + r * D, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming,
+                                round);
       }
       finish_streaming(streaming);
     });
@@ -379,7 +392,7 @@ struct NormCpu {
 
   template <bool HasW, bool HasB>
   TORCH_LN_FLATTEN static void forward_row(const T* x, T* y, const A* w, const A* b, int64_t D, A eps, A* mean_out,
-                                           A& rstd_out, bool streaming) {
+                                           A& rstd_out, bool streaming, bool round) {
     // The first pass over a row reads x; the later ones read `row`: x itself, or for half/bfloat16 rows,
     // `converted`, which the first pass fills, so that each element is converted to acc_t once.
     constexpr bool kConvertOnce = !std::is_same_v<T, A>;
@@ -409,12 +422,12 @@ struct NormCpu {
           return Sums<A, 1>{v};
         })[0];
       }
-      write_row<HasW, HasB>(row, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+      write_row<HasW, HasB>(row, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
         const auto [mean, sum_sq] = row_moments(x, D);
-        write_row<HasW, HasB>(x, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+        write_row<HasW, HasB>(x, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
         return;
       }
       normalize_reading(x);  // RMSNorm: one statistics pass at any length
@@ -426,9 +439,10 @@ struct NormCpu {
   }
 
   // Stores the statistics and writes y = normalized row * w + b; `row` is x's row, as T or already as acc_t.
+  // `round`: the normalized row is rounded to T before the weight multiply.
   template <bool HasW, bool HasB, typename S>
   static void write_row(const S* row, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
-                        A& rstd_out, bool streaming) {
+                        A& rstd_out, bool streaming, bool round) {
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
     if constexpr (kCentered) *mean_out = mean;
     rstd_out = rstd;
@@ -443,7 +457,7 @@ struct NormCpu {
             const Group<A> bv = load_group<A>(b + j, c);
             for (const auto i : c10::irange(kU)) v[i] = v[i] + bv[i];
           } else {
-            v = times_weight<HasW>(v, w + j, c);
+            v = times_weight<HasW>(round ? round_to_input(v) : v, w + j, c);
           }
           store_output<A>(y + j, v, c, streaming);
         },
@@ -472,7 +486,7 @@ struct NormCpu {
 
   template <bool HasW, bool WantDx>
   static void backward_rows(const BackwardArgs& a) {
-    const Rows rows{a, as_acc(a.weight)};
+    const Rows rows{a, as_acc(a.weight, a.rounding.weight_offset)};
     if (a.rows < kMinRowsForChunks) {
       backward_by_columns<HasW, WantDx>(a, rows);
     } else {
@@ -491,7 +505,8 @@ struct NormCpu {
           w(weight.defined() ? weight.const_data_ptr<A>() : nullptr),
           mean(kCentered ? a.mean.const_data_ptr<A>() : nullptr),
           rstd(a.rstd.const_data_ptr<A>()),
-          streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())) {}
+          streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())),
+          round(a.rounding.round_normalized) {}
     int64_t D;
     const T *dy, *x;
     T* dx;
@@ -499,6 +514,21 @@ struct NormCpu {
     const A* w;
     const A *mean, *rstd;
     bool streaming;
+    bool round;  // Llama-style rounding (RoundingOptions::round_normalized)
+
+    // g = dy * w, rounded to T under Llama-style rounding (autograd's dtype cast passes the gradient on in T).
+    template <bool HasW>
+    Group<A> weighted(const Group<A>& dy, int64_t j, int64_t c) const {
+      const Group<A> g = times_weight<HasW>(dy, w + j, c);
+      return round ? round_to_input(g) : g;
+    }
+
+    // The dweight term dy * xhat; under Llama-style rounding, the rounded xhat and the product rounded to T.
+    Group<A> weight_term(const Group<A>& dy, Group<A> xhat) const {
+      if (round) xhat = round_to_input(xhat);
+      for (const auto i : c10::irange(kU)) xhat[i] = dy[i] * xhat[i];
+      return round ? round_to_input(xhat) : xhat;
+    }
 
     A mean_of(int64_t r) const { return kCentered ? mean[r] : A(0); }
   };
@@ -582,7 +612,7 @@ struct NormCpu {
       const T *dy = rows.dy + r * D, *x = rows.x + r * D;
       const A mean = rows.mean_of(r);
       const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
-        Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), rows.w + j, c), load_group<A>(x + j, c)};
+        Sums<A, 2> t{rows.template weighted<HasW>(load_group<A>(dy + j, c), j, c), load_group<A>(x + j, c)};
         for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
         return t;
       });
@@ -599,7 +629,6 @@ struct NormCpu {
     const int64_t D = rows.D;
     const T *dy = rows.dy + r * D + j0, *x = rows.x + r * D + j0;
     T* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
-    const A* w = rows.w + j0;
     const A mean = rows.mean_of(r), rstd = rows.rstd[r];
     for_each_step<A>(
         n,
@@ -611,13 +640,16 @@ struct NormCpu {
           const Group<A> dyv = load_group<A>(dy + j, c);
           const Group<A> xhat = normalize(load_group<A>(x + j, c), mean, rstd);
           if constexpr (WantDx) {
-            Group<A> g = times_weight<HasW>(dyv, w + j, c);
+            Group<A> g = rows.template weighted<HasW>(dyv, j0 + j, c);
             for (const auto i : c10::irange(kU)) {
               g[i] = at::vec::fmadd(xhat[i], VA(-gx_mean), g[i] - VA(g_mean)) * VA(rstd);
             }
             store_output<A>(dx + j, g, c, rows.streaming);
           }
-          if (dw_sum != nullptr) accumulate(dw_sum + j, c, first, [&](int i) { return dyv[i] * xhat[i]; });
+          if (dw_sum != nullptr) {
+            const Group<A> term = rows.weight_term(dyv, xhat);
+            accumulate(dw_sum + j, c, first, [&](int i) { return term[i]; });
+          }
           if (db_sum != nullptr) accumulate(db_sum + j, c, first, [&](int i) { return dyv[i]; });
         },
         rows.streaming ? elements_to_alignment(dx) : 0);

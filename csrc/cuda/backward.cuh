@@ -11,6 +11,7 @@
 #include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
+#include "rounding.cuh"
 
 namespace torch_ln {
 
@@ -26,21 +27,28 @@ struct BackwardParams {
   acc_t* partial_dbias;    // [slots, cols], or nullptr when not requested
   int64_t rows, cols;
   int threads_per_row;
+  DeviceRounding<acc_t> rounding;
 };
+
+// g = dy * weight (dy without weight), rounded to the input dtype under Llama-style rounding.
+template <typename T, typename Params, typename acc_t>
+TLN_DEVICE acc_t weighted_grad(const Params& p, acc_t dy, acc_t w) {
+  return p.rounding.template to_input<T>(p.weight != nullptr ? dev::mul_rn(dy, p.rounding.weight(w)) : dy);
+}
 
 // xhat and g for one vector at element offset i of `row`; adds this vector's
 // terms to the row sums of g and g * xhat.
 template <int VEC, typename T, typename W, typename acc_t>
 TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, acc_t mean, acc_t rstd,
                                 acc_t (&xhat)[VEC], acc_t (&dy)[VEC], acc_t& sum_g, acc_t& sum_g_xhat) {
-  acc_t w[VEC];
+  acc_t w[VEC] = {};  // read by weighted_grad even without a weight (then unused)
   load_vec<VEC>(p.x + row * p.cols, i, xhat);
   load_vec<VEC>(p.dy + row * p.cols, i, dy);
   if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     xhat[j] = (xhat[j] - mean) * rstd;
-    const acc_t g = p.weight != nullptr ? dev::mul_rn(dy[j], w[j]) : dy[j];
+    const acc_t g = weighted_grad<T>(p, dy[j], w[j]);
     sum_g += g;
     sum_g_xhat += g * xhat[j];
   }
@@ -51,11 +59,11 @@ TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t ro
 template <NormKind KIND, int VEC, typename T, typename W, typename acc_t>
 TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, const acc_t (&xhat)[VEC],
                          const acc_t (&dy)[VEC], acc_t rstd, acc_t mean_g, acc_t mean_g_xhat) {
-  acc_t w[VEC], dx[VEC];
+  acc_t w[VEC] = {}, dx[VEC];
   if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const acc_t g = p.weight != nullptr ? dev::mul_rn(dy[j], w[j]) : dy[j];
+    const acc_t g = weighted_grad<T>(p, dy[j], w[j]);
     const acc_t centred = KIND == NormKind::LayerNorm ? g - mean_g : g;
     dx[j] = rstd * (centred - xhat[j] * mean_g_xhat);
   }
@@ -86,7 +94,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
         load_xhat_and_g(p, row, c * VEC, mean, rstd, xhat[k], dy[k], sum_g, sum_g_xhat);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          dweight[k][j] += dy[k][j] * xhat[k][j];
+          dweight[k][j] += p.rounding.template weight_term<T>(dy[k][j], xhat[k][j]);
           dbias[k][j] += dy[k][j];
         }
       }
@@ -148,7 +156,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
       if (p.dx != nullptr) store_dx<KIND>(p, row, c * VEC, xhat, dy, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
       acc_t dy_xhat[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) dy_xhat[j] = dy[j] * xhat[j];
+      for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
       if (p.partial_dweight != nullptr) accumulate_partial(p.partial_dweight + slot * p.cols, c * VEC, dy_xhat);
       if (p.partial_dbias != nullptr) accumulate_partial(p.partial_dbias + slot * p.cols, c * VEC, dy);
     }

@@ -22,7 +22,8 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                 nullptr,
                                 a.rows,
                                 a.cols,
-                                0};
+                                0,
+                                {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight});
   const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kBackwardBudget, limits, true);
   p.threads_per_row = plan.threads_per_row;

@@ -5,6 +5,7 @@
 #include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
+#include "rounding.cuh"
 
 namespace torch_ln {
 
@@ -19,6 +20,7 @@ struct ForwardParams {
   int64_t rows, cols;
   acc_t eps;
   int threads_per_row;
+  DeviceRounding<acc_t> rounding;
 };
 
 // rstd from a row's sum of squared deviations.
@@ -54,7 +56,7 @@ TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t
   if (p.weight != nullptr) {
     load_vec<VEC>(p.weight, i, w);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) out[j] *= w[j];
+    for (int j = 0; j < VEC; ++j) out[j] = p.rounding.template to_input<T>(out[j]) * p.rounding.weight(w[j]);
   }
   if (p.bias != nullptr) {
     load_vec<VEC>(p.bias, i, b);

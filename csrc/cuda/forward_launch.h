@@ -20,7 +20,8 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                a.rows,
                                a.cols,
                                static_cast<acc_t>(a.eps),
-                               0};
+                               0,
+                               {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias});
   const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kForwardBudget, limits, false);
   p.threads_per_row = plan.threads_per_row;

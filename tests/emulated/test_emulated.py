@@ -27,6 +27,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch_ln import reference
+
 SANITIZED = build.load()
 ops = torch.ops.torch_ln_emulated
 
@@ -66,21 +68,26 @@ def _torch_norm(kind, eps):
     return lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, eps)
 
 
-def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True)):
-    """Forward and backward through the emulated kernels: y, dx, dweight, dbias, and the statistics."""
+def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True), **rounding):
+    """Forward and backward through the emulated kernels: y, dx, dweight, dbias, and the statistics.
+    `rounding`: rms_norm's weight_offset / round_normalized."""
     shape = [x.shape[-1]]
     if kind == "layer":
         y, mean, rstd = ops.layer_norm_fwd(x, shape, weight, bias, eps)
         dx, dw, db = ops.layer_norm_bwd(dy, x, shape, mean, rstd, weight, bias, list(mask))
         return [y, dx, dw, db], (mean, rstd)
-    y, rstd = ops.rms_norm_fwd(x, shape, weight, eps)
-    dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]))
+    y, rstd = ops.rms_norm_fwd(x, shape, weight, eps, **rounding)
+    dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]), **rounding)
     return [y, dx, dw, None], (rstd,)
 
 
-def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5):
-    ours, stats = _emulated(kind, x, weight, bias, dy, eps)
+def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5, **rounding):
+    """The emulated kernels against torch, or with `rounding` against autograd of torch_ln.reference (the rounding
+    model) in the input's precision; each within 2x the yardstick's error from float64 plus a floor."""
+    ours, stats = _emulated(kind, x, weight, bias, dy, eps, **rounding)
     fn = _torch_norm(kind, eps)
+    if rounding:
+        fn = lambda x, w, b: reference.rms_norm(x, x.shape[-1:], w, eps, **rounding)
     # torch's CPU backward rejects a float32 bias with no weight beside a half input;
     # a weight of ones gives it the same computation.
     torch_weight = weight
@@ -239,3 +246,26 @@ def test_sanitizers_active():
     # scripts/test.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
     # preload the build would silently be the plain one.
     assert SANITIZED
+
+
+# rms_norm's rounding options (RoundingOptions, csrc/norm.h): Llama's and Gemma's arithmetic.
+ROUNDING = [
+    pytest.param({"round_normalized": True}, id="round_normalized"),
+    pytest.param({"weight_offset": 1.0}, id="weight_offset"),
+    pytest.param({"weight_offset": 1.0, "round_normalized": True}, id="both"),
+]
+
+
+@pytest.mark.parametrize("rounding", ROUNDING)
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,cols",
+    [(1, 1021), (33, 64), (6, 1024), (2, 16384)],  # M=1 prime scalar path; vectors; a warp per row; bwd multi-pass
+)
+def test_rms_norm_rounding_options(rounding, dtype, param_dtype, rows, cols):
+    """The forward is the rounding model (torch_ln.reference.apply_weight on the kernel's own rstd) bit for bit;
+    the backward is held to the accuracy rule against autograd of that model."""
+    x, weight, _, dy = _inputs(rows, cols, dtype, param_dtype, (True, False))
+    y, rstd = ops.rms_norm_fwd(x, [cols], weight, 1e-5, **rounding)
+    assert torch.equal(y, reference.apply_weight(x, x.to(rstd.dtype) * rstd, weight, **rounding))
+    _check_against_torch("rms", x, weight, None, dy, **rounding)
