@@ -61,3 +61,13 @@ def rms_norm(
     if weight is not None:
         y = y * weight.to(y.dtype)
     return y.to(input.dtype)
+
+
+def add_norm(
+    norm, x: Tensor, residual: Tensor, *args, residual_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The composite that torch_ln.add_layer_norm/add_rms_norm fuse: residual_out = x + residual in
+    residual_dtype (default x's), then y = norm(residual_out, *args) in x's dtype."""
+    dtype = residual_dtype or x.dtype
+    residual_out = x.to(dtype) + residual.to(dtype)
+    return norm(residual_out, *args).to(x.dtype), residual_out

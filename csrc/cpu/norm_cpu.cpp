@@ -242,6 +242,7 @@ struct NormCpu {
   using T = typename Types::input_t;
   using W = typename Types::param_t;
   using A = typename Types::acc_t;
+  using R = typename Types::row_t;  // the normalized rows: x's type, or after a residual add, residual_out's
   using VA = Vectorized<A>;
   static constexpr bool kCentered = K == NormKind::LayerNorm;  // RMSNorm: mean fixed at 0
 
@@ -279,19 +280,67 @@ struct NormCpu {
   // ---- forward ----
 
   static void forward(const ForwardArgs& a) {
-    with_flag(a.weight.defined(), [&](auto has_w) {
-      if constexpr (kCentered) {
-        with_flag(a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b>(a); });
-      } else {
-        forward_rows<has_w, false>(a);
-      }
-    });
+    const auto with_residual = [&](auto has_res) {
+      with_flag(a.weight.defined(), [&](auto has_w) {
+        if constexpr (kCentered) {
+          with_flag(a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b, has_res>(a); });
+        } else {
+          forward_rows<has_w, false, has_res>(a);
+        }
+      });
+    };
+    if constexpr (std::is_same_v<R, T>) {
+      with_flag(a.residual.defined(), with_residual);
+    } else {  // a row type of its own only comes with a residual
+      with_residual(std::true_type{});
+    }
   }
 
-  template <bool HasW, bool HasB>
+  // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R, which the first pass over
+  // the row stores to h (residual_out) and the later passes read back from there.
+  template <bool HasRes>
+  struct InputRow {
+    const T* x;
+    const R* residual;
+    R* h;
+
+    // Elements [j, j + c) (c <= kStep) of the normalized row as acc_t; with a residual, also stores them to h.
+    Group<A> load_first(int64_t j, int64_t c) const {
+      Group<A> v = load_group<A>(x + j, c);
+      if constexpr (HasRes) {
+        const Group<A> r = load_group<A>(residual + j, c);
+        for (const auto i : c10::irange(kU)) v[i] = v[i] + r[i];
+        store_group<A>(h + j, v, c);
+        if constexpr (!std::is_same_v<R, A>) v = load_group<A>(h + j, c);  // rounded to R, as torch's add does
+      }
+      return v;
+    }
+
+    // The first element, as load_first gives it.
+    A front() const {
+      if constexpr (HasRes) {
+        return static_cast<A>(static_cast<R>(static_cast<A>(x[0]) + static_cast<A>(residual[0])));
+      } else {
+        return static_cast<A>(x[0]);
+      }
+    }
+
+    // The row as stored, for the passes after the first (R is T without a residual).
+    const R* stored() const {
+      if constexpr (HasRes) {
+        return h;
+      } else {
+        return x;
+      }
+    }
+  };
+
+  template <bool HasW, bool HasB, bool HasRes>
   static void forward_rows(const ForwardArgs& a) {
     const int64_t D = a.cols;
     const T* x = a.x.const_data_ptr<T>();
+    const R* residual = HasRes ? a.residual.const_data_ptr<R>() : nullptr;
+    R* h = HasRes ? a.residual_out.mutable_data_ptr<R>() : nullptr;
     T* y = a.y.mutable_data_ptr<T>();
     const at::Tensor weight = as_acc(a.weight), bias = as_acc(a.bias);
     const A* w = HasW ? weight.const_data_ptr<A>() : nullptr;
@@ -302,7 +351,8 @@ struct NormCpu {
     const bool streaming = use_streaming_stores(a.y.nbytes());
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
       for (const auto r : c10::irange(begin, end)) {
-        forward_row<HasW, HasB>(x + r * D, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming);
+        const InputRow<HasRes> in{x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr};
+        forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming);
       }
       finish_streaming(streaming);
     });
@@ -314,14 +364,15 @@ struct NormCpu {
   // Deviations are always taken from a running mean: no E[x^2] - E[x]^2 cancellation. The values are shifted by
   // the row's first element so that the running means stay small: their rounding is then far below an ulp of a
   // large row mean, and the only rounding of that size is the final shift back.
-  TORCH_LN_FLATTEN static std::pair<A, A> row_moments(const T* x, int64_t D) {
+  template <bool HasRes>
+  TORCH_LN_FLATTEN static std::pair<A, A> row_moments(const InputRow<HasRes>& in, int64_t D) {
     const int64_t steps = D / kStep<A>;
-    const A shift = static_cast<A>(x[0]);
+    const A shift = in.front();
     Group<A> m, q;
     m.fill(VA(A(0)));
     q.fill(VA(A(0)));
     for (const auto k : c10::irange(steps)) {
-      Group<A> v = load_group<A>(x + k * kStep<A>, kStep<A>);
+      Group<A> v = in.load_first(k * kStep<A>, kStep<A>);
       const VA inv_count(A(1) / static_cast<A>(k + 1));
       for (const auto i : c10::irange(kU)) {
         v[i] = v[i] - VA(shift);
@@ -347,8 +398,10 @@ struct NormCpu {
     }
     A mean = steps > 0 ? lane_mean[0] : A(0), m2 = steps > 0 ? lane_m2[0] : A(0);
     int64_t n = steps * kStep<A>;
+    if (HasRes && n < D) in.load_first(n, D - n);  // stores the tail of h
+    const R* row = in.stored();
     for (const auto j : c10::irange(n, D)) {
-      const A v = static_cast<A>(x[j]) - shift;
+      const A v = static_cast<A>(row[j]) - shift;
       const A delta = v - mean;
       mean += delta / static_cast<A>(++n);
       m2 += delta * (v - mean);
@@ -356,17 +409,17 @@ struct NormCpu {
     return {shift + mean, m2};
   }
 
-  template <bool HasW, bool HasB>
-  TORCH_LN_FLATTEN static void forward_row(const T* x, T* y, const A* w, const A* b, int64_t D, A eps, A* mean_out,
-                                           A& rstd_out, bool streaming) {
-    // The first pass over a row reads x; the later ones read `row`: x itself, or for half/bfloat16 rows,
-    // `converted`, which the first pass fills, so that each element is converted to acc_t once.
-    constexpr bool kConvertOnce = !std::is_same_v<T, A>;
+  template <bool HasW, bool HasB, bool HasRes>
+  TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes>& in, T* y, const A* w, const A* b, int64_t D, A eps,
+                                           A* mean_out, A& rstd_out, bool streaming) {
+    // The first pass over a row reads it through `in`; the later ones read `row`: the stored row, or for
+    // half/bfloat16 rows, `converted`, which the first pass fills, so that each element is converted to acc_t once.
+    constexpr bool kConvertOnce = !std::is_same_v<R, A>;
     alignas(64) A converted[kConvertOnce ? kTwoPassRowBytes / sizeof(A) : 1];
     const auto normalize_reading = [&](const auto* row) {
       const auto first_pass = [&](int64_t j, int64_t c) {
-        const Group<A> v = load_group<A>(x + j, c);
-        if constexpr (!std::is_same_v<decltype(row), const T*>) store_group<A>(converted + j, v, c);
+        const Group<A> v = in.load_first(j, c);
+        if constexpr (!std::is_same_v<decltype(row), const R*>) store_group<A>(converted + j, v, c);
         return v;
       };
       A mean = 0, sum_sq = 0;
@@ -392,19 +445,19 @@ struct NormCpu {
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
-        const auto [mean, sum_sq] = row_moments(x, D);
-        write_row<HasW, HasB>(x, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+        const auto [mean, sum_sq] = row_moments(in, D);
+        write_row<HasW, HasB>(in.stored(), y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
         return;
       }
-      normalize_reading(x);  // RMSNorm: one statistics pass at any length
+      normalize_reading(in.stored());  // RMSNorm: one statistics pass at any length
     } else if constexpr (kConvertOnce) {
       normalize_reading(static_cast<const A*>(converted));
     } else {
-      normalize_reading(x);
+      normalize_reading(in.stored());
     }
   }
 
-  // Stores the statistics and writes y = normalized row * w + b; `row` is x's row, as T or already as acc_t.
+  // Stores the statistics and writes y = normalized row * w + b; `row` is the stored row, as R or already as acc_t.
   template <bool HasW, bool HasB, typename S>
   static void write_row(const S* row, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
                         A& rstd_out, bool streaming) {
@@ -464,17 +517,20 @@ struct NormCpu {
     Rows(const BackwardArgs& a, at::Tensor weight_acc)
         : D(a.cols),
           dy(a.dy.const_data_ptr<T>()),
-          x(a.x.const_data_ptr<T>()),
-          dx(a.dx.defined() ? a.dx.mutable_data_ptr<T>() : nullptr),
+          x(a.x.const_data_ptr<R>()),
+          dx(a.dx.defined() ? a.dx.mutable_data_ptr<R>() : nullptr),
+          grad_residual_out(a.grad_residual_out.defined() ? a.grad_residual_out.const_data_ptr<R>() : nullptr),
           weight(std::move(weight_acc)),
           w(weight.defined() ? weight.const_data_ptr<A>() : nullptr),
           mean(kCentered ? a.mean.const_data_ptr<A>() : nullptr),
           rstd(a.rstd.const_data_ptr<A>()),
           streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())) {}
     int64_t D;
-    const T *dy, *x;
-    T* dx;
-    at::Tensor weight;  // acc_t
+    const T* dy;
+    const R* x;
+    R* dx;
+    const R* grad_residual_out;  // added to dx; null when there is none
+    at::Tensor weight;           // acc_t
     const A* w;
     const A *mean, *rstd;
     bool streaming;
@@ -558,7 +614,8 @@ struct NormCpu {
       return {A(0), A(0)};
     } else {
       const int64_t D = rows.D;
-      const T *dy = rows.dy + r * D, *x = rows.x + r * D;
+      const T* dy = rows.dy + r * D;
+      const R* x = rows.x + r * D;
       const A mean = rows.mean_of(r);
       const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
         Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), rows.w + j, c), load_group<A>(x + j, c)};
@@ -569,15 +626,18 @@ struct NormCpu {
     }
   }
 
-  // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, and the row's
+  // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ grad_residual_out) with
+  // g = dy * w, and the row's
   // dweight (dy * xhat) and dbias (dy) terms added to dw_sum / db_sum (null when not wanted; indexed from j0), which
   // the first row initializes.
   template <bool HasW, bool WantDx>
   TORCH_LN_FLATTEN static void backward_columns(const Rows& rows, int64_t r, int64_t j0, int64_t n, A g_mean, A gx_mean,
                                                 A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
     const int64_t D = rows.D;
-    const T *dy = rows.dy + r * D + j0, *x = rows.x + r * D + j0;
-    T* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
+    const T* dy = rows.dy + r * D + j0;
+    const R* x = rows.x + r * D + j0;
+    R* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
+    const R* extra = WantDx && rows.grad_residual_out != nullptr ? rows.grad_residual_out + r * D + j0 : nullptr;
     const A* w = rows.w + j0;
     const A mean = rows.mean_of(r), rstd = rows.rstd[r];
     for_each_step<A>(
@@ -593,6 +653,10 @@ struct NormCpu {
             Group<A> g = times_weight<HasW>(dyv, w + j, c);
             for (const auto i : c10::irange(kU)) {
               g[i] = at::vec::fmadd(xhat[i], VA(-gx_mean), g[i] - VA(g_mean)) * VA(rstd);
+            }
+            if (extra != nullptr) {
+              const Group<A> e = load_group<A>(extra + j, c);
+              for (const auto i : c10::irange(kU)) g[i] = g[i] + e[i];
             }
             store_output<A>(dx + j, g, c, rows.streaming);
           }
@@ -659,15 +723,20 @@ void dispatch_kind(NormKind kind, const F& f) {
 
 void cpu_norm_forward(NormKind kind, const ForwardArgs& a) {
   check_cpu_support();
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto types) {
-    dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::forward(a); });
+  const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
+  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto input_types) {
+    dispatch_row_dtype(input_types, rows, [&](auto types) {
+      dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::forward(a); });
+    });
   });
 }
 
 void cpu_norm_backward(NormKind kind, const BackwardArgs& a) {
   check_cpu_support();
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.dbias), [&](auto types) {
-    dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::backward(a); });
+  dispatch_norm_dtypes(a.dy.scalar_type(), parameter_dtype(a.dy, a.weight, a.dbias), [&](auto input_types) {
+    dispatch_row_dtype(input_types, a.x.scalar_type(), [&](auto types) {
+      dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::backward(a); });
+    });
   });
 }
 
