@@ -265,6 +265,9 @@ def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
     elif _needs_double_backward(grad_out, grad_residual_out, residual_out, weight, bias):
         norm = reference.layer_norm if layer else reference.rms_norm
         params, needs = ((weight, bias), (needs_dweight, needs_dbias)) if layer else ((weight,), (needs_dweight,))
+        # Views of the parameters: asking for their gradients must not send the engine back through this node,
+        # which residual_out's graph leads to (it has the parameters as inputs too).
+        params = tuple(p.view_as(p) if p is not None else None for p in params)
         dh, dweight, *dbias = _differentiable_grads(
             lambda h, shape, *args: norm(h, shape, *args).to(ctx.input_dtype),
             grad_out,
