@@ -209,9 +209,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(const at::Tensor
                                                                 const std::optional<at::Tensor>& weight,
                                                                 std::optional<double> eps,
                                                                 std::optional<at::ScalarType> residual_dtype) {
-  const auto out = run_forward<Backend>(NormKind::RMSNorm, "add_rms_norm", input, normalized_shape, weight,
-                                        std::nullopt, eps.value_or(default_rms_eps(input.scalar_type())),
-                                        ResidualAdd{residual, residual_dtype});
+  const auto out =
+      run_forward<Backend>(NormKind::RMSNorm, "add_rms_norm", input, normalized_shape, weight, std::nullopt,
+                           eps.value_or(default_rms_eps(input.scalar_type())), ResidualAdd{residual, residual_dtype});
   return {out[0], out[1], out[3]};
 }
 

@@ -296,41 +296,36 @@ struct NormCpu {
     }
   }
 
-  // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R, which the first pass over
-  // the row stores to h (residual_out) and the later passes read back from there.
+  // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R. Every pass recomputes h
+  // from x and residual (still in cache after the first), so that h is only written, with y, by the last pass:
+  // streamed like y, it never displaces the inputs from the cache nor is read back from memory.
   template <bool HasRes>
   struct InputRow {
     const T* x;
     const R* residual;
     R* h;
 
-    // Elements [j, j + c) (c <= kStep) of the normalized row as acc_t; with a residual, also stores them to h.
-    Group<A> load_first(int64_t j, int64_t c) const {
+    // Elements [j, j + c) (c <= kStep) of the normalized row as acc_t.
+    Group<A> load(int64_t j, int64_t c) const {
       Group<A> v = load_group<A>(x + j, c);
       if constexpr (HasRes) {
         const Group<A> r = load_group<A>(residual + j, c);
         for (const auto i : c10::irange(kU)) v[i] = v[i] + r[i];
-        store_group<A>(h + j, v, c);
-        if constexpr (!std::is_same_v<R, A>) v = load_group<A>(h + j, c);  // rounded to R, as torch's add does
+        if constexpr (!std::is_same_v<R, A>) {  // rounded to R, as torch's add does
+          for (int i = 0; i < kU; i += 2) {
+            std::tie(v[i], v[i + 1]) = at::vec::convert_to_float<R>(at::vec::convert_from_float<R>(v[i], v[i + 1]));
+          }
+        }
       }
       return v;
     }
 
-    // The first element, as load_first gives it.
+    // The first element, as load gives it.
     A front() const {
       if constexpr (HasRes) {
         return static_cast<A>(static_cast<R>(static_cast<A>(x[0]) + static_cast<A>(residual[0])));
       } else {
         return static_cast<A>(x[0]);
-      }
-    }
-
-    // The row as stored, for the passes after the first (R is T without a residual).
-    const R* stored() const {
-      if constexpr (HasRes) {
-        return h;
-      } else {
-        return x;
       }
     }
   };
@@ -372,7 +367,7 @@ struct NormCpu {
     m.fill(VA(A(0)));
     q.fill(VA(A(0)));
     for (const auto k : c10::irange(steps)) {
-      Group<A> v = in.load_first(k * kStep<A>, kStep<A>);
+      Group<A> v = in.load(k * kStep<A>, kStep<A>);
       const VA inv_count(A(1) / static_cast<A>(k + 1));
       for (const auto i : c10::irange(kU)) {
         v[i] = v[i] - VA(shift);
@@ -398,13 +393,16 @@ struct NormCpu {
     }
     A mean = steps > 0 ? lane_mean[0] : A(0), m2 = steps > 0 ? lane_m2[0] : A(0);
     int64_t n = steps * kStep<A>;
-    if (HasRes && n < D) in.load_first(n, D - n);  // stores the tail of h
-    const R* row = in.stored();
-    for (const auto j : c10::irange(n, D)) {
-      const A v = static_cast<A>(row[j]) - shift;
-      const A delta = v - mean;
-      mean += delta / static_cast<A>(++n);
-      m2 += delta * (v - mean);
+    if (n < D) {
+      A tail[kStep<A>];
+      const Group<A> t = in.load(n, D - n);
+      for (const auto i : c10::irange(kU)) t[i].store(tail + i * VA::size());
+      for (const auto j : c10::irange(n, D)) {
+        const A v = tail[j - steps * kStep<A>] - shift;
+        const A delta = v - mean;
+        mean += delta / static_cast<A>(++n);
+        m2 += delta * (v - mean);
+      }
     }
     return {shift + mean, m2};
   }
@@ -412,14 +410,18 @@ struct NormCpu {
   template <bool HasW, bool HasB, bool HasRes>
   TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes>& in, T* y, const A* w, const A* b, int64_t D, A eps,
                                            A* mean_out, A& rstd_out, bool streaming) {
-    // The first pass over a row reads it through `in`; the later ones read `row`: the stored row, or for
-    // half/bfloat16 rows, `converted`, which the first pass fills, so that each element is converted to acc_t once.
+    // The first pass over a row reads it through `in`; the later ones through `reload`: `in` again, or for
+    // half/bfloat16 rows of up to kTwoPassRowBytes, `converted`, which the first pass fills, so that each element is
+    // converted to acc_t once.
     constexpr bool kConvertOnce = !std::is_same_v<R, A>;
     alignas(64) A converted[kConvertOnce ? kTwoPassRowBytes / sizeof(A) : 1];
-    const auto normalize_reading = [&](const auto* row) {
+    const auto load = [&](int64_t j, int64_t c) { return in.load(j, c); };
+    const auto normalize_reading = [&](const auto& reload, bool fill_converted) {
       const auto first_pass = [&](int64_t j, int64_t c) {
-        const Group<A> v = in.load_first(j, c);
-        if constexpr (!std::is_same_v<decltype(row), const R*>) store_group<A>(converted + j, v, c);
+        const Group<A> v = in.load(j, c);
+        if constexpr (kConvertOnce) {
+          if (fill_converted) store_group<A>(converted + j, v, c);
+        }
         return v;
       };
       A mean = 0, sum_sq = 0;
@@ -427,7 +429,7 @@ struct NormCpu {
         mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{first_pass(j, c)}; })[0] / D;
         // Two-pass variance over a row still in L1, centered on the mean: no E[x^2] - E[x]^2 cancellation.
         sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
-          Group<A> v = load_group<A>(row + j, c);
+          Group<A> v = reload(j, c);
           for (auto& e : v) {
             const VA d = e - VA(mean);
             e = d * d;
@@ -441,33 +443,36 @@ struct NormCpu {
           return Sums<A, 1>{v};
         })[0];
       }
-      write_row<HasW, HasB>(row, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+      write_row<HasW, HasB>(reload, in.h, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
         const auto [mean, sum_sq] = row_moments(in, D);
-        write_row<HasW, HasB>(in.stored(), y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+        write_row<HasW, HasB>(load, in.h, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
         return;
       }
-      normalize_reading(in.stored());  // RMSNorm: one statistics pass at any length
+      normalize_reading(load, false);  // RMSNorm: one statistics pass at any length
     } else if constexpr (kConvertOnce) {
-      normalize_reading(static_cast<const A*>(converted));
+      normalize_reading([&](int64_t j, int64_t c) { return load_group<A>(converted + j, c); }, true);
     } else {
-      normalize_reading(in.stored());
+      normalize_reading(load, false);
     }
   }
 
-  // Stores the statistics and writes y = normalized row * w + b; `row` is the stored row, as R or already as acc_t.
-  template <bool HasW, bool HasB, typename S>
-  static void write_row(const S* row, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
-                        A& rstd_out, bool streaming) {
+  // Stores the statistics and writes y = normalized row * w + b, and the row itself to h unless h is null; `load`
+  // gives the row as acc_t.
+  template <bool HasW, bool HasB, typename Load>
+  static void write_row(const Load& load, R* h, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq,
+                        A* mean_out, A& rstd_out, bool streaming) {
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
     if constexpr (kCentered) *mean_out = mean;
     rstd_out = rstd;
     for_each_step<A>(
         D,
         [&](int64_t j, int64_t c) {
-          Group<A> v = normalize(load_group<A>(row + j, c), mean, rstd);
+          const Group<A> row = load(j, c);
+          if (h != nullptr) store_output<A>(h + j, row, c, streaming);
+          Group<A> v = normalize(row, mean, rstd);
           if constexpr (HasW && HasB) {  // one rounding: xhat * w + b fused
             const Group<A> wv = load_group<A>(w + j, c), bv = load_group<A>(b + j, c);
             for (const auto i : c10::irange(kU)) v[i] = at::vec::fmadd(v[i], wv[i], bv[i]);

@@ -14,17 +14,17 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   using acc_t = typename Types::acc_t;
   using R = typename Types::row_t;
   BackwardParams<T, W, acc_t, R> p{a.dy.const_data_ptr<T>(),
-                                a.x.const_data_ptr<R>(),
-                                data_or_null<acc_t>(a.mean),
-                                a.rstd.const_data_ptr<acc_t>(),
-                                data_or_null<W>(a.weight),
-                                mutable_data_or_null<R>(a.dx),
-                                nullptr,
-                                nullptr,
-                                a.rows,
-                                a.cols,
-                                0,
-                                data_or_null<R>(a.grad_residual_out)};
+                                   a.x.const_data_ptr<R>(),
+                                   data_or_null<acc_t>(a.mean),
+                                   a.rstd.const_data_ptr<acc_t>(),
+                                   data_or_null<W>(a.weight),
+                                   mutable_data_or_null<R>(a.dx),
+                                   nullptr,
+                                   nullptr,
+                                   a.rows,
+                                   a.cols,
+                                   0,
+                                   data_or_null<R>(a.grad_residual_out)};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight}) &&
                       vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out});
   const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kBackwardBudget, limits, true);

@@ -72,8 +72,8 @@ TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
 
 // Normalizes one vector of a row (element offset i) and stores it to y.
 template <int VEC, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, const acc_t (&v)[VEC],
-                                    acc_t mean, acc_t rstd) {
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i,
+                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd) {
   acc_t out[VEC], w[VEC], b[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;

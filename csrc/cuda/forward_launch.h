@@ -13,17 +13,17 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   using acc_t = typename Types::acc_t;
   using R = typename Types::row_t;
   ForwardParams<T, W, acc_t, R> p{a.x.const_data_ptr<T>(),
-                               data_or_null<W>(a.weight),
-                               data_or_null<W>(a.bias),
-                               a.y.mutable_data_ptr<T>(),
-                               mutable_data_or_null<acc_t>(a.mean),
-                               a.rstd.mutable_data_ptr<acc_t>(),
-                               a.rows,
-                               a.cols,
-                               static_cast<acc_t>(a.eps),
-                               0,
-                               data_or_null<R>(a.residual),
-                               mutable_data_or_null<R>(a.residual_out)};
+                                  data_or_null<W>(a.weight),
+                                  data_or_null<W>(a.bias),
+                                  a.y.mutable_data_ptr<T>(),
+                                  mutable_data_or_null<acc_t>(a.mean),
+                                  a.rstd.mutable_data_ptr<acc_t>(),
+                                  a.rows,
+                                  a.cols,
+                                  static_cast<acc_t>(a.eps),
+                                  0,
+                                  data_or_null<R>(a.residual),
+                                  mutable_data_or_null<R>(a.residual_out)};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
   const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kForwardBudget, limits, false);
