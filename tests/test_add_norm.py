@@ -13,6 +13,7 @@ import torch
 from norm_cases import (
     DEVICES,
     NORMS,
+    TOLERANCES,
     assert_accuracy,
     assert_close_to_torch,
     make_params,
@@ -287,6 +288,22 @@ def test_export(norm):
     x, residual = torch.randn(9, 32), torch.randn(9, 32)
     for a, b in zip(exported.module()(x, residual), module(x, residual)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", NORMS)
+def test_autocast(norm, dtype, device):
+    """Under autocast y has the dtype torch's composite gives it (CUDA: float32; CPU: the input's), and its values."""
+    x, residual = torch.randn(6, 48, device=device).to(dtype), torch.randn(6, 48, device=device).to(dtype)
+    weight, bias = make_params(norm, (48,), True, norm.has_bias, torch.float32, device)
+    with torch.autocast(device, dtype=torch.bfloat16 if device == "cpu" else torch.float16):
+        y, h = ours(norm, x, residual, (48,), weight, bias, norm.default_eps)
+        theirs = norm.torch(x + residual, (48,), weight, bias, norm.default_eps)
+    assert y.dtype == theirs.dtype
+    torch.testing.assert_close(h.to(dtype), x + residual, atol=0, rtol=0)  # float32 on CUDA: exact sums
+    atol, rtol = TOLERANCES[dtype].fwd
+    torch.testing.assert_close(y, theirs, atol=atol, rtol=rtol)
 
 
 # ---------------------------------------------------------------------------------------
