@@ -2,8 +2,9 @@
 
 Entry points: :func:`layer_norm`, :func:`rms_norm` (functional), :class:`LayerNorm`,
 :class:`RMSNorm` (drop-ins for the torch.nn modules), :func:`replace_norms` (also for transformers' and
-timm's norm classes, see :mod:`torch_ln.integrations`) and :func:`register_norm`; for C++,
-:func:`cmake_prefix_path` (find_package(torch_ln) gives the target torch_ln::torch_ln).
+timm's norm classes, see :mod:`torch_ln.integrations`) and :func:`register_norm`; the fused residual
+add + norm of pre-norm transformers: :func:`add_layer_norm`, :func:`add_rms_norm`, :class:`AddLayerNorm`,
+:class:`AddRMSNorm`; for C++, :func:`cmake_prefix_path` (find_package(torch_ln) gives the target torch_ln::torch_ln).
 """
 
 from torch_ln import _extension
@@ -19,8 +20,16 @@ import torch
 
 from torch_ln import integrations
 from torch_ln._extension import cmake_prefix_path
-from torch_ln.modules import LayerNorm, RMSNorm, forward_converter, register_norm, replace_norms
-from torch_ln.ops import layer_norm, rms_norm
+from torch_ln.modules import (
+    AddLayerNorm,
+    AddRMSNorm,
+    LayerNorm,
+    RMSNorm,
+    forward_converter,
+    register_norm,
+    replace_norms,
+)
+from torch_ln.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 
 
 class _RegisterShardingAfterDTensorLoads(importlib.abc.MetaPathFinder):
@@ -48,8 +57,12 @@ elif torch.distributed.is_available():  # builds without torch.distributed have 
     sys.meta_path.insert(0, _RegisterShardingAfterDTensorLoads())
 
 __all__ = [
+    "AddLayerNorm",
+    "AddRMSNorm",
     "LayerNorm",
     "RMSNorm",
+    "add_layer_norm",
+    "add_rms_norm",
     "cmake_prefix_path",
     "forward_converter",
     "integrations",

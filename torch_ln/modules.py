@@ -6,11 +6,12 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from torch_ln import ops
 
-__all__ = ["LayerNorm", "RMSNorm", "forward_converter", "register_norm", "replace_norms"]
+__all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "forward_converter", "register_norm", "replace_norms"]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -44,6 +45,35 @@ _RESOLVERS: list[Callable[[type], Converter | None]] = []
 _UNRESOLVED: set[type] = set()
 
 logger = logging.getLogger("torch_ln")
+
+
+class AddLayerNorm(nn.LayerNorm):
+    """Residual add + LayerNorm: ``forward(x, residual)`` returns ``(y, residual_out)`` (see
+    :func:`torch_ln.add_layer_norm`).
+
+    Constructor, parameters and state_dict are ``nn.LayerNorm``'s, plus the keyword
+    ``residual_dtype`` (default ``None``: the input's dtype), which is not part of the state.
+    """
+
+    def __init__(self, *args, residual_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.add_layer_norm(
+            x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.residual_dtype
+        )
+
+
+class AddRMSNorm(nn.RMSNorm):
+    """Residual add + RMSNorm: ``forward(x, residual)`` returns ``(y, residual_out)``, as :class:`AddLayerNorm`."""
+
+    def __init__(self, *args, residual_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps, self.residual_dtype)
 
 
 def register_norm(cls: type, converter: Converter) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from torch_ln import _transforms, reference
 
-__all__ = ["layer_norm", "rms_norm"]
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _ops = torch.ops.torch_ln
 
@@ -85,6 +85,42 @@ def rms_norm(
     )[0]
 
 
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    residual_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Residual add and layer normalization in one pass: returns ``(y, residual_out)``.
+
+    ``residual_out = x + residual`` in ``residual_dtype`` (default: ``x.dtype``; float32 keeps a
+    float32 residual stream under float16/bfloat16 ``x``), and ``y = layer_norm(residual_out)`` in
+    ``x.dtype``. ``residual`` has ``x``'s shape and ``x.dtype`` or ``residual_dtype``. Both outputs
+    are new tensors. The gradient of ``x`` and of ``residual`` is the same: that of ``residual_out``
+    through the norm plus the incoming gradient of ``residual_out``.
+    """
+    y, residual_out, _, _ = _ops.add_layer_norm_fwd(
+        x, residual, _as_shape(normalized_shape), weight, bias, eps, residual_dtype
+    )
+    return y, residual_out
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    residual_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Residual add and RMS normalization in one pass: returns ``(y, residual_out)``, as :func:`add_layer_norm`."""
+    y, residual_out, _ = _ops.add_rms_norm_fwd(x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype)
+    return y, residual_out
+
+
 # Fake kernels: shapes and dtypes only, for torch.compile and torch.export.
 
 
@@ -112,6 +148,22 @@ def _(input, normalized_shape, weight, eps, weight_offset=0.0, round_normalized=
     return torch.empty_like(input, memory_format=torch.contiguous_format), _statistics(input, normalized_shape)
 
 
+def _residual_out(input: Tensor, residual_dtype: torch.dtype | None) -> Tensor:
+    return torch.empty_like(input, dtype=residual_dtype or input.dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("torch_ln::add_layer_norm_fwd")
+def _(input, residual, normalized_shape, weight, bias, eps, residual_dtype):
+    stats = _statistics(input, normalized_shape), _statistics(input, normalized_shape)
+    return torch.empty_like(input, memory_format=torch.contiguous_format), _residual_out(input, residual_dtype), *stats
+
+
+@torch.library.register_fake("torch_ln::add_rms_norm_fwd")
+def _(input, residual, normalized_shape, weight, eps, residual_dtype):
+    y = torch.empty_like(input, memory_format=torch.contiguous_format)
+    return y, _residual_out(input, residual_dtype), _statistics(input, normalized_shape)
+
+
 def _fake_grads(input: Tensor, params: Sequence[Tensor | None], output_mask: Sequence[bool]) -> tuple[Tensor, ...]:
     dx = torch.empty_like(input, memory_format=torch.contiguous_format) if output_mask[0] else _unrequested(input)
     grads = [
@@ -129,6 +181,16 @@ def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
 @torch.library.register_fake("torch_ln::rms_norm_bwd")
 def _(grad_out, input, normalized_shape, rstd, weight, output_mask, weight_offset=0.0, round_normalized=False):
     return _fake_grads(input, (weight,), output_mask)
+
+
+@torch.library.register_fake("torch_ln::add_layer_norm_bwd")
+def _(grad_out, grad_residual_out, residual_out, normalized_shape, mean, rstd, weight, bias, output_mask):
+    return _fake_grads(residual_out, (weight, bias), output_mask)
+
+
+@torch.library.register_fake("torch_ln::add_rms_norm_bwd")
+def _(grad_out, grad_residual_out, residual_out, normalized_shape, rstd, weight, output_mask):
+    return _fake_grads(residual_out, (weight,), output_mask)
 
 
 # Autograd. The forward saves mean and rstd; the backward kernels use them and
@@ -205,6 +267,61 @@ def _rms_norm_backward(ctx, grad_out, _grad_rstd):
     return dx if needs_dx else None, None, dweight if needs_dweight else None, None, None, None
 
 
+# The residual-add operators save residual_out (an output) instead of the input: the backward reads it once, and
+# the double backward differentiates the norm of it, whose graph leads back to x and residual through this node.
+
+
+def _add_norm_setup_context(ctx, inputs, output):
+    input, residual, normalized_shape, weight, *rest = inputs
+    bias = rest[0] if len(rest) == 3 else None
+    ctx.normalized_shape, ctx.eps = list(normalized_shape), rest[-2]
+    ctx.input_dtype, ctx.residual_dtype = input.dtype, residual.dtype
+    needs_dx, needs_dresidual, _, needs_dweight, *_ = ctx.needs_input_grad
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    kept = (output[1], weight, bias, *output[2:])
+    ctx.save_for_backward(*(kept if needs_dx or needs_dresidual or needs_dweight else (None,) * len(kept)))
+
+
+def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
+    """Gradients of (x, residual, weight[, bias]) from the one gradient of residual_out."""
+    residual_out, weight, bias, *statistics = ctx.saved_tensors
+    layer = len(statistics) == 2
+    needs_dx, needs_dresidual, _, needs_dweight, *rest = ctx.needs_input_grad
+    needs_dbias = layer and rest[0]
+    needs_dh = needs_dx or needs_dresidual
+    if residual_out is None:  # only dbias wanted
+        dh = dweight = None
+        dbias = _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype)
+    elif _needs_double_backward(grad_out, grad_residual_out, residual_out, weight, bias):
+        dh, dweight, dbias = reference.norm_backward(
+            grad_out, residual_out, ctx.normalized_shape, weight, bias, ctx.eps, centred=layer
+        )
+        dh = dh + grad_residual_out if needs_dh else None
+    elif layer:
+        mask = [needs_dh, needs_dweight, needs_dbias]
+        dh, dweight, dbias = _ops.add_layer_norm_bwd(
+            grad_out, grad_residual_out, residual_out, ctx.normalized_shape, *statistics, weight, bias, mask
+        )
+    else:
+        dh, dweight = _ops.add_rms_norm_bwd(
+            grad_out,
+            grad_residual_out,
+            residual_out,
+            ctx.normalized_shape,
+            *statistics,
+            weight,
+            [needs_dh, needs_dweight],
+        )
+        dbias = None
+    grads = [
+        dh.to(ctx.input_dtype) if needs_dx else None,
+        dh.to(ctx.residual_dtype) if needs_dresidual else None,
+        None,
+        dweight if needs_dweight else None,
+    ]
+    return (*grads, dbias if needs_dbias else None, None, None) if layer else (*grads, None, None)
+
+
 def _needs_double_backward(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -212,8 +329,16 @@ def _needs_double_backward(*tensors: Tensor | None) -> bool:
 # As torch.library.register_autograd, plus what torch.func needs (jvp, batching): see torch_ln/_transforms.py.
 _transforms.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)
 _transforms.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
+# The fused ops: plain autograd (no torch.func support yet: they have no entry in _transforms.OPS).
+for _op in ("torch_ln::add_layer_norm_fwd", "torch_ln::add_rms_norm_fwd"):
+    torch.library.register_autograd(_op, _add_norm_backward, setup_context=_add_norm_setup_context)
 
-# Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln.
-# (CPU autocast leaves both at the input's dtype, which needs no registration.)
-for _op in ("torch_ln::layer_norm_fwd", "torch_ln::rms_norm_fwd"):
+# Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln, with the residual add too
+# (residual_out is then float32). CPU autocast leaves both at the input's dtype, which needs no registration.
+for _op in (
+    "torch_ln::layer_norm_fwd",
+    "torch_ln::rms_norm_fwd",
+    "torch_ln::add_layer_norm_fwd",
+    "torch_ln::add_rms_norm_fwd",
+):
     torch.library.register_autocast(_op, "cuda", torch.float32)

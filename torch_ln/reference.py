@@ -133,3 +133,13 @@ def norm_backward(grad_out, input, normalized_shape, weight, bias, eps, centred:
     scaled = g * weight.to(g.dtype) if weight is not None else g
     dinput = normalization_jvp(xhat, rstd, scaled, len(normalized_shape), centred)[0].to(input.dtype)
     return (dinput, *affine_grads(g, xhat, (weight, bias), len(normalized_shape)))
+
+
+def add_norm(
+    norm, x: Tensor, residual: Tensor, *args, residual_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The composite that torch_ln.add_layer_norm/add_rms_norm fuse: residual_out = x + residual in
+    residual_dtype (default x's), then y = norm(residual_out, *args) in x's dtype."""
+    dtype = residual_dtype or x.dtype
+    residual_out = x.to(dtype) + residual.to(dtype)
+    return norm(residual_out, *args).to(x.dtype), residual_out

@@ -16,6 +16,7 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600
 - M=0 and M=1; every dtype, mixed precision, with and without weight and bias
+- the fused residual add (add_layer_norm/add_rms_norm) over the same plans, with a float32 residual stream
 """
 
 from __future__ import annotations
@@ -239,6 +240,67 @@ def test_large_mean_small_spread():
     exact = F.layer_norm(x.double(), [1024], eps=1e-5)
     err_torch = (F.layer_norm(x, [1024], eps=1e-5).double() - exact).abs().max().item()
     assert (y.double() - exact).abs().max().item() <= 2 * err_torch + 1e-6
+
+
+def _emulated_add(kind, x, residual, weight, bias, dy, dh_out, eps, residual_dtype=None):
+    """The fused residual add + norm through the emulated kernels: y, residual_out, d(residual_out), dw, db."""
+    shape = [x.shape[-1]]
+    if kind == "layer":
+        y, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, shape, weight, bias, eps, residual_dtype)
+        dh, dw, db = ops.add_layer_norm_bwd(dy, dh_out, h, shape, mean, rstd, weight, bias, [True, True, True])
+        return y, h, dh, dw, db
+    y, h, rstd = ops.add_rms_norm_fwd(x, residual, shape, weight, eps, residual_dtype)
+    dh, dw = ops.add_rms_norm_bwd(dy, dh_out, h, shape, rstd, weight, [True, True])
+    return y, h, dh, dw, None
+
+
+# The fused residual add over the same plans as the plain kernels: the scalar path (odd D), short rows, a warp per
+# row, a block per row, and the multi-pass kernels (forward from 33001/40000, backward from 9000/9001).
+ADD_CASES = [(5, 7), (33, 64), (6, 1024), (2, 4096), (2, 9001), (1, 33001), (2, 40000)]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,cols", ADD_CASES)
+def test_residual_add_is_the_plain_norm_of_the_sum(kind, dtype, rows, cols):
+    """Bitwise: residual_out is torch's x + residual, y the plain emulated norm of it, and d(residual_out) the plain
+    emulated dx plus the incoming gradient of residual_out (in float32/float64 both round that sum once)."""
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    g = torch.Generator().manual_seed(7)
+    residual = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
+    dh_out = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
+    y, h, dh, dw, db = _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5)
+    plain, _ = _emulated(kind, x + residual, weight, bias, dy, 1e-5)
+    assert torch.equal(h, x + residual)
+    assert torch.equal(y, plain[0])
+    assert torch.equal(dh, plain[1] + dh_out)
+    assert torch.equal(dw, plain[2])
+    assert db is None or torch.equal(db, plain[3])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32])
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("rows,cols", [(5, 7), (6, 1024), (2, 16384), (1, 40000)])
+def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols):
+    """half/bfloat16 input, residual_out in the input's dtype or float32 (float32 vectors of 8 elements: 32-byte
+    accesses): residual_out bitwise torch's add; y, d(residual_out) and the parameter gradients within FLOOR of the
+    emulated plain norm of residual_out, which differs only in rounding them once instead of twice."""
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    g = torch.Generator().manual_seed(7)
+    stream = residual_dtype or dtype
+    residual = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(stream)
+    dh_out = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(stream)
+    y, h, dh, dw, db = _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5, residual_dtype)
+    assert torch.equal(h, x.to(stream) + residual) and y.dtype == dtype and dh.dtype == stream
+    as_stream = [t.to(stream) if t is not None else None for t in (weight, bias)]
+    plain, _ = _emulated(kind, h, *as_stream, dy.to(stream), 1e-5)
+    torch.testing.assert_close(y, plain[0].to(dtype), atol=FLOOR[dtype], rtol=FLOOR[dtype])
+    torch.testing.assert_close(dh, plain[1] + dh_out, atol=2 * FLOOR[dtype], rtol=2 * FLOOR[dtype])
+    # The same sums over the same rows: the parameter gradients differ at most by their final rounding.
+    for ours, theirs in ((dw, plain[2]), (db, plain[3])):
+        if ours is not None:
+            torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=FLOOR[ours.dtype], rtol=FLOOR[ours.dtype])
 
 
 @pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/test.sh requires them")
