@@ -113,8 +113,10 @@ _write_build_info()
 (ROOT / "torch_ln" / "lib").mkdir(exist_ok=True)
 setup(
     ext_modules=[ext],
-    # A binary extension works with the torch it was compiled against, and no other.
-    install_requires=[f"torch=={torch.__version__}"],
+    # A binary extension works with the torch it was compiled against, and no other. The public version only: pip
+    # rejects a local label (+cu130) against the index's torch and the torch<=X caps some installations carry;
+    # import torch_ln still checks the full version (CUDA or CPU build) and says how to rebuild.
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
     cmdclass={
         "build_ext": BuildExtension.with_options(use_ninja=True, no_python_abi_suffix=True),
         "bdist_wheel": PythonIndependentWheel,
