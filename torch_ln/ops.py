@@ -26,12 +26,13 @@ def _call(op, input: Tensor, *args):
 
     The autograd formula is registered in Python, so even a call that records nothing pays for boxing its arguments
     into Python and redispatching (measured on the 2-core dev VM: 4x1024 float32, 61 us through it against 36 us
-    straight to the kernel; torch's own layer_norm 23 us). Only plain tensors outside torch.compile and torch.func
-    take the shortcut: those paths need the operator as registered.
+    straight to the kernel; torch's own layer_norm 23 us). Only plain tensors outside torch.compile, torch.func and
+    forward-mode AD take the shortcut: those paths need the operator as registered.
     """
     tensors = [t for t in (input, *args) if isinstance(t, Tensor)]
     if (
         not torch.compiler.is_compiling()
+        and torch.autograd.forward_ad._current_level < 0  # no forward-mode AD level open: no dual tensors
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and all(type(t) is Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
     ):
