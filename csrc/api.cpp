@@ -37,17 +37,21 @@ Tensor3 layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::
 }
 
 Tensor2 rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                     std::optional<double> eps) {
-  static const auto op = find_operator<Tensor2(const at::Tensor&, Shape, const OptTensor&, std::optional<double>)>(
-      "torch_ln::rms_norm_fwd");
-  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps);
+                     std::optional<double> eps, double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, Shape, const OptTensor&, std::optional<double>, double, bool)>(
+          "torch_ln::rms_norm_fwd");
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, weight_offset, round_normalized);
 }
 
 Tensor2 rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
-                     const at::Tensor& rstd, const OptTensor& weight, std::array<bool, 2> output_mask) {
-  static const auto op = find_operator<Tensor2(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&,
-                                               const OptTensor&, std::array<bool, 2>)>("torch_ln::rms_norm_bwd");
-  return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight, output_mask);
+                     const at::Tensor& rstd, const OptTensor& weight, std::array<bool, 2> output_mask,
+                     double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&, const OptTensor&,
+                            std::array<bool, 2>, double, bool)>("torch_ln::rms_norm_bwd");
+  return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight, output_mask, weight_offset,
+                 round_normalized);
 }
 
 at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,

@@ -28,7 +28,8 @@ from torch_ln._transforms import OPS, OpInfo
 
 def _strategy(info: OpInfo, op_schema: OpSchema) -> OpStrategy:
     op = op_schema.op
-    names = [a.name for a in op._schema.arguments]
+    # Arguments left at their schema defaults (trailing ones) are not in args_schema.
+    names = [a.name for a in op._schema.arguments][: len(op_schema.args_schema)]
     args = dict(zip(names, op_schema.args_schema))
     returns = len(op._schema.returns)
     # Backward ops: outputs are dinput then one gradient per param, each produced only if output_mask says so.

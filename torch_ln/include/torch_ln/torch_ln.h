@@ -47,15 +47,18 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     std::array<bool, 3> output_mask);
 
-// The operator torch_ln::rms_norm_fwd: (output, rstd).
+// The operator torch_ln::rms_norm_fwd: (output, rstd). weight_offset and round_normalized reproduce other
+// libraries' rounding (see the README: Gemma's 1 + weight, Llama's rounding before the weight product).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                              const std::optional<at::Tensor>& weight,
-                                                             std::optional<double> eps);
+                                                             std::optional<double> eps, double weight_offset = 0,
+                                                             bool round_normalized = false);
 
 // The operator torch_ln::rms_norm_bwd: (grad_input, grad_weight), as layer_norm_bwd.
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                              at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                              const std::optional<at::Tensor>& weight,
-                                                             std::array<bool, 2> output_mask);
+                                                             std::array<bool, 2> output_mask, double weight_offset = 0,
+                                                             bool round_normalized = false);
 
 }  // namespace torch_ln
