@@ -297,10 +297,13 @@ def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype
     plain, _ = _emulated(kind, h, *as_stream, dy.to(stream), 1e-5)
     torch.testing.assert_close(y, plain[0].to(dtype), atol=FLOOR[dtype], rtol=FLOOR[dtype])
     torch.testing.assert_close(dh, plain[1] + dh_out, atol=2 * FLOOR[dtype], rtol=2 * FLOOR[dtype])
-    # The same sums over the same rows: the parameter gradients differ at most by their final rounding.
+    # The same sums over the same rows: the parameter gradients differ at most by their final rounding, that of the
+    # coarser of the two dtypes (the plain norm's come in the stream dtype: half an ulp of float16 with float32
+    # parameters, measured 4.9e-4 relative).
     for ours, theirs in ((dw, plain[2]), (db, plain[3])):
         if ours is not None:
-            torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=FLOOR[ours.dtype], rtol=FLOOR[ours.dtype])
+            floor = max(FLOOR[ours.dtype], FLOOR[theirs.dtype])
+            torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=floor, rtol=floor)
 
 
 @pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/test.sh requires them")
