@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 TIMEOUT_S = 150  # the whole group, start-up included; a hung collective fails the tests instead of hanging them
 ATOL = RTOL = 1e-10  # float64; sharded sums only reorder additions
 SHAPE = (4, 6, 16)  # (batch, sequence, hidden): two batch dims to shard, normalized over hidden
+FUSED = {"layer_norm": torch_ln.add_layer_norm, "rms_norm": torch_ln.add_rms_norm}
 PLACEMENTS = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate(), "shard_hidden": Shard(2)}
 
 
@@ -109,6 +110,42 @@ def _dtensor_autograd(mesh, device: str, norm) -> None:
     y.pow(2).sum().backward()
     for i, (got, want) in enumerate(zip(ours, ref)):
         _close(_full(got.grad), want.grad, f"grad of argument {i}")
+
+
+def _dtensor_fused(mesh, device: str, norm, placement_name: str) -> None:
+    """add_*_fwd/bwd on DTensors (residual, residual_out and grad_residual_out placed like x), then the public
+    function under autograd: values equal the single-process ones, rows keep their placement."""
+    placement = PLACEMENTS[placement_name]
+    fwd = getattr(torch.ops.torch_ln, f"add_{norm.name}_fwd").default
+    bwd = getattr(torch.ops.torch_ln, f"add_{norm.name}_bwd").default
+    torch.manual_seed(5)
+    x, residual, grad_out, grad_residual_out = (
+        torch.randn(SHAPE, dtype=torch.float64, device=device) for _ in range(4)
+    )
+    params = [torch.randn(SHAPE[-1], dtype=torch.float64, device=device) for _ in norm.params]
+    shape, mask = [SHAPE[-1]], [True] * (1 + len(params))
+
+    def run(x, residual, grad_out, grad_residual_out, params):
+        y, residual_out, *stats = fwd(x, residual, shape, *params, norm.default_eps, None)
+        return (y, residual_out, *stats, *bwd(grad_out, grad_residual_out, residual_out, shape, *stats, *params, mask))
+
+    want = run(x, residual, grad_out, grad_residual_out, params)
+    rows = [distribute_tensor(t, mesh, [placement]) for t in (x, residual, grad_out, grad_residual_out)]
+    got = run(*rows, [distribute_tensor(p, mesh, [Replicate()]) for p in params])
+    for i, (g, w) in enumerate(zip(got, want)):
+        _close(g.full_tensor(), w, f"output {i}")
+    for t in got[: len(got) - len(params)]:  # y, residual_out, statistics, d residual_out
+        assert t.placements == (placement,), t.placements
+
+    ref = [t.clone().requires_grad_() for t in (x, residual, *params)]
+    ours = [
+        distribute_tensor(t, mesh, [placement] if i < 2 else [Replicate()]).requires_grad_() for i, t in enumerate(ref)
+    ]
+    for args in (ref, ours):
+        y, residual_out = FUSED[norm.name](args[0], args[1], shape, *args[2:])
+        (y.pow(2).sum() + residual_out.pow(3).sum()).backward()
+    for i, (got_arg, want_arg) in enumerate(zip(ours, ref)):
+        _close(_full(got_arg.grad), want_arg.grad, f"grad of argument {i}")
 
 
 class _Block(nn.Module):
@@ -209,6 +246,7 @@ def _scenarios(device: str) -> dict:
         for placement in PLACEMENTS:
             cases[f"ops-{norm.name}-{placement}"] = lambda mesh, n=norm, p=placement: _dtensor_ops(mesh, device, n, p)
         cases[f"autograd-{norm.name}"] = lambda mesh, n=norm: _dtensor_autograd(mesh, device, n)
+        cases[f"fused-{norm.name}"] = lambda mesh, n=norm: _dtensor_fused(mesh, device, n, "shard1")
     cases["tensor_sequence_parallel"] = lambda mesh: _tensor_sequence_parallel(mesh, device)
     cases["fsdp2"] = lambda mesh: _fsdp2(mesh, device)
     return cases

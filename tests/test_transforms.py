@@ -229,3 +229,112 @@ def test_statistics_tangents(norm):
     # Central differences: error O(h^2) ~ 1e-12 relative, rounding ~ 1e-16 / h = 1e-10.
     for got, p, m in zip(stats_tangents, plus, minus):
         torch.testing.assert_close(got, (p - m) / (2 * h), atol=1e-8, rtol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused residual add + norm: (y, residual_out) = (norm(x + residual), x + residual)
+# ------------------------------------------------------------------------------------------------
+
+FUSED = {"layer_norm": torch_ln.add_layer_norm, "rms_norm": torch_ln.add_rms_norm}
+
+
+def _fused_functions(norm, normalized_shape):
+    """(ours, the composite with torch's norm) as functions of (x, residual, *params) -> (y, residual_out)."""
+
+    def composite(x, residual, *params):
+        h = x + residual
+        return norm.torch(h, normalized_shape, *params), h
+
+    return (lambda x, residual, *p: FUSED[norm.name](x, residual, normalized_shape, *p)), composite
+
+
+def _fused_scalar(f):
+    return lambda *args: sum(out.pow(3).sum() for out in f(*args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape, normalized_ndim", SHAPES)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "jacfwd", "jvp", "hessian"])
+def test_fused_transform_matches_composite(transform, norm, shape, normalized_ndim, device, capfd):
+    x, params, nshape = _inputs(norm, shape, normalized_ndim, device)
+    ours, theirs = _fused_functions(norm, nshape)
+    args = (x, torch.randn_like(x), *params)
+    argnums = tuple(range(len(args)))
+    with no_vmap_fallback(capfd):
+        if transform == "grad":
+            got, want = (grad(_fused_scalar(f), argnums)(*args) for f in (ours, theirs))
+        elif transform == "vjp":
+            cotangents = (torch.randn_like(x), torch.randn_like(x))
+            got, want = (vjp(f, *args)[1](cotangents) for f in (ours, theirs))
+        elif transform in ("jacrev", "jacfwd"):
+            jac = jacrev if transform == "jacrev" else jacfwd
+            got, want = (jac(f, argnums)(*args) for f in (ours, theirs))
+        elif transform == "jvp":
+            tangents = tuple(torch.randn_like(a) for a in args)
+            got, want = (jvp(f, args, tangents) for f in (ours, theirs))
+        else:
+            f = _fused_scalar(ours)
+            got = [hessian(f)(*args), jacrev(jacrev(f))(*args), jacfwd(jacfwd(f))(*args), jacrev(jacfwd(f))(*args)]
+            want = [hessian(_fused_scalar(theirs))(*args)] * 4
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_grad_residual_out", [True, False], ids=["grad_residual_out", "no-grad_residual_out"])
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("in_dims", [pytest.param(0, id="batch-front"), pytest.param(3, id="inside-normalized")])
+def test_vmap_fused_forward_and_backward_ops(norm, in_dims, with_grad_residual_out, device, capfd):
+    """add_*_fwd and add_*_bwd under vmap over every row argument, vs. the operators run per sample."""
+    fwd = getattr(torch.ops.torch_ln, f"add_{norm.name}_fwd").default
+    bwd = getattr(torch.ops.torch_ln, f"add_{norm.name}_bwd").default
+    rows = [torch.randn(4, 3, 5, 6, dtype=torch.float64, device=device).movedim(0, in_dims) for _ in range(4)]
+    params = [torch.randn(6, dtype=torch.float64, device=device) for _ in norm.params]
+    mask = [True] * (1 + len(params))
+
+    def fwd_bwd(x, residual, grad_out, grad_residual_out):
+        y, residual_out, *stats = fwd(x, residual, [6], *params, norm.default_eps, None)
+        grad_residual_out = grad_residual_out if with_grad_residual_out else None
+        return (y, residual_out, *stats, *bwd(grad_out, grad_residual_out, residual_out, [6], *stats, *params, mask))
+
+    with no_vmap_fallback(capfd):
+        got = vmap(fwd_bwd, in_dims=in_dims)(*rows)
+    samples = [fwd_bwd(*(t.select(in_dims, i) for t in rows)) for i in range(4)]
+    want = [torch.stack(outputs) for outputs in zip(*samples)]
+    torch.testing.assert_close(list(got), want, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_fused_per_sample_grads(norm, device, capfd):
+    """vmap(grad) over samples with shared parameters: per-sample parameter gradients of the fused op."""
+    x, params, _ = _inputs(norm, (5, 4, 8), 1, device)
+    residual = torch.randn_like(x)
+    losses = [_fused_scalar(f) for f in _fused_functions(norm, (8,))]
+
+    def per_sample(loss):
+        return vmap(grad(loss, argnums=tuple(range(len(params) + 2))), in_dims=(0, 0, *(None,) * len(params)))
+
+    with no_vmap_fallback(capfd):
+        got = per_sample(losses[0])(x, residual, *params)
+    torch.testing.assert_close(got, per_sample(losses[1])(x, residual, *params), **TOL)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_fused_jvp_float32_residual_stream(norm):
+    """bfloat16 x and residual with residual_dtype=float32: the tangents in the dtypes of the outputs, y's equal to
+    the composite's (the sum exact in float32: bfloat16 addends; tolerance: bfloat16 rounding of y's tangent)."""
+    x, params, _ = _inputs(norm, (3, 16), 1, "cpu")
+    x, residual = x.bfloat16(), torch.randn_like(x).bfloat16()
+    params = [p.float() for p in params]  # parameters of x's dtype or float32
+    fused = FUSED[norm.name]
+
+    def composite(x, residual):
+        h = x.float() + residual.float()
+        return norm.torch(h, (16,), *params).to(torch.bfloat16), h
+
+    tangents = (torch.randn_like(x), torch.randn_like(x))
+    got = jvp(lambda x, r: fused(x, r, (16,), *params, residual_dtype=torch.float32), (x, residual), tangents)
+    want = jvp(composite, (x, residual), tangents)
+    assert [t.dtype for t in got[1]] == [torch.bfloat16, torch.float32]
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)

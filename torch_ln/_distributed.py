@@ -1,9 +1,10 @@
 """DTensor sharding strategies for every torch_ln operator, read off torch_ln._transforms.OPS.
 
 Accepted placements, per mesh dimension (DTensor redistributes any other input to the cheapest of them):
-- every row argument (input, grad_out, mean, rstd) sharded alike on one batch dimension, weight and bias
-  replicated: the outputs' rows are sharded the same way, and the backward's weight and bias gradients are
-  Partial(sum) (each rank summed its own rows), which DTensor reduces when they are used;
+- every row argument (input, grad_out, mean, rstd; the fused ops' residual, residual_out, grad_residual_out)
+  sharded alike on one batch dimension, weight and bias replicated: the outputs' rows are sharded the same way,
+  and the backward's weight and bias gradients are Partial(sum) (each rank summed its own rows), which DTensor
+  reduces when they are used;
 - everything replicated.
 A row argument sharded on a normalized dimension is redistributed (DTensor picks the move, e.g. an all-to-all
 to a batch-dim shard or an all-gather), not reduced across shards: the kernels need whole rows for their
@@ -44,8 +45,10 @@ def _strategy(info: OpInfo, op_schema: OpSchema) -> OpStrategy:
         # An output not produced is an empty (0,) tensor: replicated.
         outputs = [rows if produced else Replicate() for produced in row_outputs]
         outputs += [params_reduced if produced else Replicate() for produced in param_outputs]
+        # An absent optional row (grad_residual_out=None) has no placement.
         inputs = [
-            rows if name in info.rows else Replicate() if isinstance(args[name], OpStrategy) else None for name in names
+            (rows if name in info.rows else Replicate()) if isinstance(args[name], OpStrategy) else None
+            for name in names
         ]
         return outputs + inputs
 

@@ -71,20 +71,38 @@ def _norm_jvp(args: dict, tangents: dict, centred: bool) -> tuple[Tensor, ...]:
     return (dy.to(input.dtype), dmean, drstd) if centred else (dy.to(input.dtype), drstd)
 
 
+def _add_norm_jvp(args: dict, tangents: dict, centred: bool) -> tuple[Tensor, ...]:
+    """Tangents of (y, residual_out, statistics): the norm's jvp at residual_out = x + residual, y in x's dtype."""
+    input, residual = args["input"], args["residual"]
+    dtype = args["residual_dtype"] or input.dtype
+    # Summed in the accumulation dtype and rounded to the stream dtype, as the kernels do.
+    acc = reference.accumulation_dtype(dtype)
+    residual_out = (input.to(acc) + residual.to(acc)).to(dtype)
+    parts = [t.to(dtype) for t in (tangents["input"], tangents["residual"]) if t is not None]
+    dresidual_out = sum(parts[1:], parts[0]) if parts else torch.zeros_like(residual_out)
+    dy, *dstatistics = _norm_jvp({**args, "input": residual_out}, {**tangents, "input": dresidual_out}, centred)
+    return dy.to(input.dtype), dresidual_out, *dstatistics
+
+
 def _per_sample_affine_grads(args: dict, xhat: Tensor, params: tuple, wanted: Sequence[bool]) -> list:
     params = [p if want else None for p, want in zip(params, wanted)]
     return reference.affine_grads(args["grad_out"], xhat, params, len(args["normalized_shape"]), first_row_dim=1)
 
 
-def _layer_norm_param_grads(args: dict, wanted: Sequence[bool]) -> list[Tensor | None]:
-    xhat = (args["input"].to(args["rstd"].dtype) - args["mean"]) * args["rstd"]
+# `normalized`: the name of the backward op's argument that holds the norm's input (the fused ops': residual_out).
+
+
+def _layer_norm_param_grads(args: dict, wanted: Sequence[bool], normalized: str = "input") -> list[Tensor | None]:
+    xhat = (args[normalized].to(args["rstd"].dtype) - args["mean"]) * args["rstd"]
     return _per_sample_affine_grads(args, xhat, (args["weight"], args["bias"]), wanted)
 
 
-def _rms_norm_param_grads(args: dict, wanted: Sequence[bool]) -> list[Tensor | None]:
-    xhat = args["input"].to(args["rstd"].dtype) * args["rstd"]
+def _rms_norm_param_grads(args: dict, wanted: Sequence[bool], normalized: str = "input") -> list[Tensor | None]:
+    xhat = args[normalized].to(args["rstd"].dtype) * args["rstd"]
     return _per_sample_affine_grads(args, xhat, (args["weight"],), wanted)
 
+
+_FUSED_BWD_ROWS = ("grad_out", "grad_residual_out", "residual_out")
 
 OPS: dict[str, OpInfo] = {
     "layer_norm_fwd": OpInfo(rows=("input",), params=("weight", "bias"), jvp=partial(_norm_jvp, centred=True)),
@@ -93,6 +111,23 @@ OPS: dict[str, OpInfo] = {
     ),
     "rms_norm_fwd": OpInfo(rows=("input",), params=("weight",), jvp=partial(_norm_jvp, centred=False)),
     "rms_norm_bwd": OpInfo(rows=("grad_out", "input", "rstd"), params=("weight",), param_grads=_rms_norm_param_grads),
+    # Residual add + norm: residual and residual_out are rows like the input.
+    "add_layer_norm_fwd": OpInfo(
+        rows=("input", "residual"), params=("weight", "bias"), jvp=partial(_add_norm_jvp, centred=True)
+    ),
+    "add_layer_norm_bwd": OpInfo(
+        rows=(*_FUSED_BWD_ROWS, "mean", "rstd"),
+        params=("weight", "bias"),
+        param_grads=partial(_layer_norm_param_grads, normalized="residual_out"),
+    ),
+    "add_rms_norm_fwd": OpInfo(
+        rows=("input", "residual"), params=("weight",), jvp=partial(_add_norm_jvp, centred=False)
+    ),
+    "add_rms_norm_bwd": OpInfo(
+        rows=(*_FUSED_BWD_ROWS, "rstd"),
+        params=("weight",),
+        param_grads=partial(_rms_norm_param_grads, normalized="residual_out"),
+    ),
 }
 
 
@@ -125,7 +160,8 @@ def batching_rule(name: str) -> Callable:
         named = dict(zip(names, args))
         for row in info.rows:
             t, d = named[row], dims[row]
-            named[row] = t.movedim(d, 0) if d is not None else t.expand(vmap_info.batch_size, *t.shape)
+            if t is not None:  # an optional row (grad_residual_out) may be absent
+                named[row] = t.movedim(d, 0) if d is not None else t.expand(vmap_info.batch_size, *t.shape)
         if info.param_grads is None:
             outputs = op(*named.values())
             return outputs, (0,) * len(outputs)

@@ -330,9 +330,8 @@ def _needs_double_backward(*tensors: Tensor | None) -> bool:
 # As torch.library.register_autograd, plus what torch.func needs (jvp, batching): see torch_ln/_transforms.py.
 _transforms.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)
 _transforms.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
-# The fused ops: plain autograd (no torch.func support yet: they have no entry in _transforms.OPS).
 for _op in ("torch_ln::add_layer_norm_fwd", "torch_ln::add_rms_norm_fwd"):
-    torch.library.register_autograd(_op, _add_norm_backward, setup_context=_add_norm_setup_context)
+    _transforms.register_autograd(_op, _add_norm_backward, setup_context=_add_norm_setup_context)
 
 # Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln, with the residual add too
 # (residual_out is then float32). CPU autocast leaves both at the input's dtype, which needs no registration.
