@@ -75,8 +75,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
   for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
     const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
-    const acc_t mean = active && p.mean != nullptr ? p.mean[row] : acc_t(0);
-    const acc_t rstd = active ? p.rstd[row] : acc_t(0);
+    const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
+    const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     acc_t xhat[ITEMS][VEC], dy[ITEMS][VEC];
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
 #pragma unroll
@@ -133,8 +133,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
   const int64_t nvec = p.cols / VEC;
   const int64_t slot = dev::block_x();
   for (int64_t row = slot; row < p.rows; row += dev::grid_dim_x()) {
-    const acc_t mean = p.mean != nullptr ? p.mean[row] : acc_t(0);
-    const acc_t rstd = p.rstd[row];
+    const acc_t mean = p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
+    const acc_t rstd = dev::load_global(&p.rstd[row]);
     acc_t xhat[VEC], dy[VEC];
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {

@@ -47,6 +47,26 @@ TLN_DEVICE T* dynamic_shared() {
   return reinterpret_cast<T*>(tln_dynamic_smem);
 }
 
+// Global and shared memory accesses: plain ones here; the emulated build counts them.
+struct Site {};
+#define TLN_SITE ::torch_ln::dev::Site{}
+template <typename T>
+TLN_DEVICE T load_global(const T* p, Site = TLN_SITE) {
+  return *p;
+}
+template <typename T>
+TLN_DEVICE void store_global(T* p, const T& v, Site = TLN_SITE) {
+  *p = v;
+}
+template <typename T>
+TLN_DEVICE T load_shared(const T* p, Site = TLN_SITE) {
+  return *p;
+}
+template <typename T>
+TLN_DEVICE void store_shared(T* p, const T& v, Site = TLN_SITE) {
+  *p = v;
+}
+
 TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
 TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
 // A product rounded on its own, never fused into a following add.
@@ -100,6 +120,31 @@ T* dynamic_shared() {
   return reinterpret_cast<T*>(emu::dynamic_shared_memory());
 }
 
+// Every access reports to the launch's traffic counters (simt_emulator.h), tagged
+// with the source line it comes from: a warp's accesses are grouped by line.
+using Site = emu::Site;
+#define TLN_SITE ::torch_ln::dev::Site{__builtin_FILE(), __builtin_LINE()}
+template <typename T>
+T load_global(const T* p, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Global, p, sizeof(T), false, site);
+  return *p;
+}
+template <typename T>
+void store_global(T* p, const T& v, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Global, p, sizeof(T), true, site);
+  *p = v;
+}
+template <typename T>
+T load_shared(const T* p, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Shared, p, sizeof(T), false, site);
+  return *p;
+}
+template <typename T>
+void store_shared(T* p, const T& v, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Shared, p, sizeof(T), true, site);
+  *p = v;
+}
+
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 template <typename T>
@@ -109,7 +154,7 @@ T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {
-  emu::launch(grid, block, smem_bytes, [&] { kernel(args...); });
+  emu::launch(grid, block, smem_bytes, reinterpret_cast<const void*>(kernel), [&] { kernel(args...); });
 }
 
 }  // namespace torch_ln::dev

@@ -95,8 +95,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     const acc_t rstd = rstd_from(row_sum(squares, p.threads_per_row, smem), p.cols, p.eps);
     if (!active) continue;
     if (layout.lane == 0) {
-      if (p.mean != nullptr) p.mean[row] = mean;
-      p.rstd[row] = rstd;
+      if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
+      dev::store_global(&p.rstd[row], rstd);
     }
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
@@ -133,8 +133,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
     }
     const acc_t rstd = rstd_from(row_sum(squares, threads, smem), p.cols, p.eps);
     if (dev::thread_x() == 0) {
-      if (p.mean != nullptr) p.mean[row] = mean;
-      p.rstd[row] = rstd;
+      if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
+      dev::store_global(&p.rstd[row], rstd);
     }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
       load_vec<VEC>(x, c * VEC, v);

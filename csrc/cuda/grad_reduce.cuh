@@ -24,14 +24,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kReduceCols* kReduceRows)
   const int64_t col = int64_t{dev::block_x()} * kReduceCols + dev::thread_x();
   acc_t sum = acc_t(0);
   if (col < cols) {
-    for (int64_t s = dev::thread_y(); s < slots; s += kReduceRows) sum += partial[s * cols + col];
+    for (int64_t s = dev::thread_y(); s < slots; s += kReduceRows) sum += dev::load_global(&partial[s * cols + col]);
   }
-  stripes[dev::thread_y() * kReduceCols + dev::thread_x()] = sum;
+  dev::store_shared(&stripes[dev::thread_y() * kReduceCols + dev::thread_x()], sum);
   dev::sync_threads();
   if (dev::thread_y() == 0 && col < cols) {
     acc_t total = acc_t(0);
-    for (int r = 0; r < kReduceRows; ++r) total += stripes[r * kReduceCols + dev::thread_x()];
-    out[col] = static_cast<W>(total);
+    for (int r = 0; r < kReduceRows; ++r) total += dev::load_shared(&stripes[r * kReduceCols + dev::thread_x()]);
+    dev::store_global(&out[col], static_cast<W>(total));
   }
 }
 

@@ -1,16 +1,56 @@
 // The test-only emulated build: the CUDA kernels and their launch planning,
 // compiled by the host compiler against the SIMT emulation, registered as the
-// operators of a separate library (torch_ln_emulated) on CPU tensors.
+// operators of a separate library (torch_ln_emulated) on CPU tensors, with the
+// emulator's traffic counters and the launch planning exposed for the kernel model.
+#include <vector>
+
+#include "../cuda/backward.cuh"
+#include "../cuda/forward.cuh"
 #include "../norm_ops.h"
 #include "emulated_kernels.h"
 
 namespace torch_ln {
 
+DeviceLimits& emulated_device() {
+  static DeviceLimits limits = kEmulatedDevice;
+  return limits;
+}
+
 struct EmulatedBackend {
   static constexpr NormKernels kernels{&emulated_norm_forward, &emulated_norm_backward};
 };
 
-TORCH_LIBRARY(torch_ln_emulated, m) { define_norm_schemas(m); }
+namespace {
+
+void set_device(int64_t num_sms, int64_t max_threads_per_sm) {
+  TORCH_CHECK(num_sms > 0 && max_threads_per_sm > 0, "set_device: expected positive limits, got num_sms=", num_sms,
+              ", max_threads_per_sm=", max_threads_per_sm);
+  emulated_device() = {static_cast<int>(num_sms), static_cast<int>(max_threads_per_sm)};
+}
+
+// The plan the launchers make on the emulated device: vec, items, threads_per_row, rows_per_block, blocks.
+std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable) {
+  TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
+              "'");
+  const bool fwd = direction == "fwd";
+  const RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
+                              fwd ? kForwardBudget : kBackwardBudget, emulated_device(), !fwd);
+  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks};
+}
+
+void set_l2_model(double l2_bytes, int64_t concurrent_blocks) { emu::set_l2_model(l2_bytes, concurrent_blocks); }
+
+std::string take_launch_log() { return emu::take_launch_log(); }
+
+}  // namespace
+
+TORCH_LIBRARY(torch_ln_emulated, m) {
+  define_norm_schemas(m);
+  m.def("set_device", &set_device);
+  m.def("plan", &plan);
+  m.def("set_l2_model", &set_l2_model);
+  m.def("take_launch_log", &take_launch_log);
+}
 
 TORCH_LIBRARY_IMPL(torch_ln_emulated, CPU, m) { register_norm_ops<EmulatedBackend>(m); }
 
