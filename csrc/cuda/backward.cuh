@@ -158,7 +158,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
 // The backward's kernels by register tier, for launch_rows.
 template <typename T, typename W, typename acc_t>
 struct BackwardKernels {
-  static constexpr RegisterBudget budget = kBackwardBudget;
+  static constexpr RegisterBudget budget = for_accumulator(kBackwardBudget, sizeof(acc_t));
   template <NormKind K, int VEC, int ITEMS>
   static constexpr auto get() {
     if constexpr (ITEMS == 0) {

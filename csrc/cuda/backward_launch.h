@@ -24,7 +24,7 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                 a.cols,
                                 0};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kBackwardBudget, limits, true);
+  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t>::budget, limits, true);
   p.threads_per_row = plan.threads_per_row;
   // One partial row per row-slot; the multi-pass kernel accumulates into them, so they start at zero.
   const int64_t slots = plan.blocks * plan.rows_per_block;

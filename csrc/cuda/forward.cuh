@@ -146,7 +146,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
 // The forward's kernels by register tier, for launch_rows.
 template <typename T, typename W, typename acc_t>
 struct ForwardKernels {
-  static constexpr RegisterBudget budget = kForwardBudget;
+  static constexpr RegisterBudget budget = for_accumulator(kForwardBudget, sizeof(acc_t));
   template <NormKind K, int VEC, int ITEMS>
   static constexpr auto get() {
     if constexpr (ITEMS == 0) {

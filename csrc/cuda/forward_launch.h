@@ -22,7 +22,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                static_cast<acc_t>(a.eps),
                                0};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kForwardBudget, limits, false);
+  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t>::budget, limits, false);
   p.threads_per_row = plan.threads_per_row;
   launch_rows<ForwardKernels<T, W, acc_t>, T, acc_t>(kind, plan, stream, p);
 }

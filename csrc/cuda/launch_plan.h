@@ -19,21 +19,34 @@ constexpr int kVectorBytes = 16;        // one 128-bit load or store
 constexpr int kRowsBlockThreads = 128;  // block size when several rows share a block
 constexpr int kSmallItems = 2;          // vectors per thread for short rows
 
-// How much of a row a thread keeps in registers, per kernel family.
+// How much of a row a thread keeps in registers, per kernel family. Sized by
+// the register file (64K 32-bit registers per SM): a block of max_threads may
+// use 65536 / max_threads registers a thread, and the values it holds must fit
+// in them with room for addresses and indices (ptxas: no spills, no stack; the
+// tests check it for every instantiation).
 struct RegisterBudget {
-  int elems;        // elements per thread
-  int max_threads;  // threads per row (and per block) at most
+  int elems;         // accumulator values per thread, for a 4-byte accumulator, in 16-byte vectors
+  int scalar_elems;  // the same on the scalar path, where each value carries its own address and bounds check
+  int max_threads;   // threads per row (and per block) at most; the kernels' launch bounds
 };
-// The forward holds x: 32 values a thread, up to 1024 threads (<= 64 registers
-// a thread at full block size).
-constexpr RegisterBudget kForwardBudget{32, 1024};
+// The forward holds x: 32 values a thread in up to 128 registers (512 threads;
+// at 1024 threads, 64 registers do not hold 32 values and their addresses), 16
+// on the scalar path.
+constexpr RegisterBudget kForwardBudget{32, 16, 512};
 // The backward holds x, dy and the running weight/bias gradient sums: 4 x 16
 // values a thread, so blocks stop at 512 threads to stay within the register file.
-constexpr RegisterBudget kBackwardBudget{16, 512};
+constexpr RegisterBudget kBackwardBudget{16, 16, 512};
+
+// A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.
+constexpr RegisterBudget for_accumulator(RegisterBudget budget, int acc_bytes) {
+  return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads};
+}
 
 // The register tiers a kernel is compiled for, in vectors per thread: kSmallItems
 // and this one.
-constexpr int large_items(int vec, RegisterBudget budget) { return std::max(kSmallItems, budget.elems / vec); }
+constexpr int large_items(int vec, RegisterBudget budget) {
+  return std::max(kSmallItems, vec == 1 ? budget.scalar_elems : budget.elems / vec);
+}
 
 struct RowPlan {
   int vec;              // elements per access: a 16-byte vector, or 1 (the scalar path)

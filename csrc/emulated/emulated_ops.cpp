@@ -33,14 +33,27 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
               "'");
   const bool fwd = direction == "fwd";
+  const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
   const RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
-                              fwd ? kForwardBudget : kBackwardBudget, emulated_device(), !fwd);
+                              for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), emulated_device(), !fwd);
   return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks};
 }
 
 void set_l2_model(double l2_bytes, int64_t concurrent_blocks) { emu::set_l2_model(l2_bytes, concurrent_blocks); }
 
 std::string take_launch_log() { return emu::take_launch_log(); }
+
+// Names the tensors whose traffic each launch reports apart (empty: none).
+void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors) {
+  TORCH_CHECK(names.size() == tensors.size(), "set_regions: expected a name per tensor, got ", names.size(),
+              " names for ", tensors.size(), " tensors");
+  std::vector<emu::Region> regions;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto begin = reinterpret_cast<uintptr_t>(tensors[i].const_data_ptr());
+    regions.push_back({names[i], begin, begin + tensors[i].nbytes()});
+  }
+  emu::set_regions(std::move(regions));
+}
 
 }  // namespace
 
@@ -50,6 +63,7 @@ TORCH_LIBRARY(torch_ln_emulated, m) {
   m.def("plan", &plan);
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);
+  m.def("set_regions", &set_regions);
 }
 
 TORCH_LIBRARY_IMPL(torch_ln_emulated, CPU, m) { register_norm_ops<EmulatedBackend>(m); }

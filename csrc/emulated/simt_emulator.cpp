@@ -140,7 +140,18 @@ struct LaunchTraffic {
   uint64_t shared_requests = 0, bank_conflicts = 0, barriers = 0;
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;  // [begin, end) of every global access
   std::unordered_map<uint64_t, bool> sectors;           // every global sector touched -> dirty in L2
+  std::vector<std::pair<uint64_t, uint64_t>> by_region;  // load and store bytes per region, then "other"
 };
+
+std::vector<Region> regions;  // sorted by begin
+
+// The region an address falls in, or regions.size() for none.
+size_t region_of(uintptr_t address) {
+  auto it = std::upper_bound(regions.begin(), regions.end(), address,
+                             [](uintptr_t a, const Region& r) { return a < r.begin; });
+  if (it == regions.begin() || address >= std::prev(it)->end) return regions.size();
+  return static_cast<size_t>(std::prev(it) - regions.begin());
+}
 
 double model_l2_bytes = 50e6;  // H200: 60 MB of L2, about 50 MB usable by one stream
 int64_t model_concurrent_blocks = 0;
@@ -194,6 +205,8 @@ void account_request(LaunchTraffic& t, const std::vector<const Access*>& lanes, 
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
   for (const Access* a : lanes) {
     (first.store ? t.store_bytes : t.load_bytes) += a->bytes;
+    auto& region = t.by_region[region_of(a->address)];
+    (first.store ? region.second : region.first) += a->bytes;
     ranges.emplace_back(a->address, a->address + a->bytes);
     t.ranges.emplace_back(a->address, a->address + a->bytes);
   }
@@ -238,6 +251,16 @@ struct RequestKeyHash {
   }
 };
 
+std::string regions_json(const LaunchTraffic& t) {
+  std::string out;
+  for (size_t i = 0; i < t.by_region.size(); ++i) {
+    if (t.by_region[i].first + t.by_region[i].second == 0) continue;
+    out += (out.empty() ? "\"" : ",\"") + (i < regions.size() ? regions[i].name : std::string("other")) +
+           "\":[" + std::to_string(t.by_region[i].first) + "," + std::to_string(t.by_region[i].second) + "]";
+  }
+  return out;
+}
+
 std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, Dim3 block, size_t smem,
                         int64_t concurrent_blocks) {
   std::string name = "?";
@@ -262,7 +285,8 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
          field("dram_read_bytes", t.dram_read_bytes) +
          field("dram_write_bytes", t.dram_write_bytes + dirty_at_end * kSectorBytes) +
          field("shared_requests", t.shared_requests) + field("bank_conflicts", t.bank_conflicts) +
-         field("barriers", t.barriers) + field("concurrent_blocks", concurrent_blocks) + "}";
+         field("barriers", t.barriers) + field("concurrent_blocks", concurrent_blocks) + ",\"regions\":{" +
+         regions_json(t) + "}}";
 }
 
 }  // namespace
@@ -333,6 +357,12 @@ void set_l2_model(double l2_bytes, int64_t concurrent_blocks) {
   model_concurrent_blocks = concurrent_blocks;
 }
 
+void set_regions(std::vector<Region> named) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  std::sort(named.begin(), named.end(), [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  regions = std::move(named);
+}
+
 std::string take_launch_log() {
   const std::lock_guard<std::mutex> serialize(launch_mutex);
   std::string out = "[";
@@ -372,6 +402,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
   // Global bytes per byte one thread accesses, across the GPU (see account_dram).
   const double bytes_per_block_slot = static_cast<double>(threads) * concurrent_blocks;
   LaunchTraffic traffic;
+  traffic.by_region.resize(regions.size() + 1);
 
   auto run_thread = [&](unsigned tid) {
     ThreadContext ctx{

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace torch_ln::emu {
 
@@ -71,6 +72,14 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
 // `concurrent_blocks` blocks in flight (0: as many as fit on an H200 by threads
 // alone, at most the grid).
 void set_l2_model(double l2_bytes, int64_t concurrent_blocks);
+
+// Names address ranges [begin, end) (a tensor each): every launch then also
+// reports the bytes it loads and stores in each, and in none of them ("other").
+struct Region {
+  std::string name;
+  uintptr_t begin, end;
+};
+void set_regions(std::vector<Region> regions);
 
 // The counters of every launch since the last call, as a JSON list (one object
 // per launch); clears them.

@@ -1,7 +1,7 @@
 """The CUDA kernels, run on the CPU under the SIMT emulation (csrc/emulated).
 
 The kernels, their launch planning and their host launchers are the exact code
-the CUDA build compiles; only the device layer differs. scripts/test.sh runs this
+the CUDA build compiles; only the device layer differs. scripts/run.sh runs this
 file under AddressSanitizer and UndefinedBehaviorSanitizer, so an out-of-bounds
 or misaligned access fails it. The emulated device has 2 SMs of 2048 threads.
 
@@ -10,8 +10,9 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
 - a warp per row, 4 rows per block (tpr = 32): D=1024 float32 (256 vectors / 8)
 - several warps per row, 2 rows per block (tpr = 64, cross-warp reduction): D=2048 float32
 - a block per row (tpr >= 128): D=4096 bfloat16 (512 vectors / 4 = 128)
-- forward multi-pass: D=40000 float32 (> 8 x 1024 vectors of 4), D=33001 (scalar, > 32 x 1024);
-  backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512)
+- forward multi-pass: D=40000 float32 (> 8 x 512 vectors of 4), D=33001 (scalar, > 32 x 512);
+  backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512);
+  both, every dtype, vectors and scalar: D=16392 and D=16411 (MULTIPASS_COLS)
 - 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600
@@ -157,6 +158,33 @@ def test_long_rows(kind, dtype, rows, cols):
     _check_against_torch(kind, x, weight, bias, dy)
 
 
+# D just past every register tier, in 16-byte vectors of every dtype (16392 = 8 * 2049) and on the scalar path
+# (16411 is prime): the multi-pass kernels of every dtype, both directions (the forward keeps at most
+# 32 float32 / 16 float64 values a thread x 512 threads in registers, the backward 16 / 8).
+MULTIPASS_COLS = [16392, 16411]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize("cols", MULTIPASS_COLS)
+def test_multipass_every_dtype(kind, dtype, param_dtype, cols):
+    x, weight, bias, dy = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", MULTIPASS_COLS)
+def test_multipass_without_parameters_or_dx(kind, cols):
+    # The multi-pass backward's arms without a weight, and without dx (only the parameter gradients).
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, False))
+    _check_against_torch(kind, x, weight, bias, dy)
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    no_dx, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(False, True, True))
+    assert no_dx[1].numel() == 0 and torch.equal(no_dx[2], full[2])
+    assert no_dx[3] is None or torch.equal(no_dx[3], full[3])
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("cols", [64, 1024, 9000])
@@ -234,8 +262,8 @@ def test_large_mean_small_spread():
     assert (y.double() - exact).abs().max().item() <= 2 * err_torch + 1e-6
 
 
-@pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/test.sh requires them")
+@pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/run.sh requires them")
 def test_sanitizers_active():
-    # scripts/test.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
+    # scripts/run.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
     # preload the build would silently be the plain one.
     assert SANITIZED
