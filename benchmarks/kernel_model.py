@@ -183,10 +183,10 @@ def kernel_time(dram_bytes: float, resident_threads: int, bytes_in_flight: int, 
     return dram_bytes / bandwidth * tail
 
 
-def model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict) -> dict:
+def model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M: int | None = None) -> dict:
     dtype = DTYPES[dtype_name]
     elem = torch.empty(0, dtype=dtype).element_size()
-    M = case_rows(mode, D, elem)
+    M = M if M is not None else case_rows(mode, D, elem)
     o = ops()
     o.set_device(H200.sms, H200.threads_per_sm)
     vec, items, tpr, rpb, blocks = o.plan(mode, M, D, elem, True)
@@ -288,6 +288,28 @@ RECORD_KEYS = [
 ]
 
 
+def compare(csv_paths: list[Path], resources: dict) -> str:
+    """Measured (the benchmark's CSVs, provider torch_ln) beside predicted, case by case: one GPU run calibrates."""
+    import csv
+
+    lines = [
+        f"{'op':<10} {'mode':<4} {'dtype':<8} {'D':>6} {'M':>7} {'measured us':>11} {'predicted us':>12} "
+        f"{'meas/pred':>9} {'measured % copy':>15} {'predicted % copy':>16}"
+    ]
+    for path in csv_paths:
+        for row in csv.DictReader(path.open()):
+            if row["provider"] != "torch_ln" or row["mode"] not in ("fwd", "bwd") or math.isnan(float(row["ms"] or "nan")):
+                continue
+            r = model_case(row["op"], row["mode"], row["dtype"], int(row["D"]), resources, M=int(row["M"]))
+            measured_us = float(row["ms"]) * 1e3
+            lines.append(
+                f"{r['op']:<10} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>7} {measured_us:>11.1f} "
+                f"{r['predicted_us']:>12.1f} {measured_us / r['predicted_us']:>9.2f} {row['pct_copy']:>15} "
+                f"{100 * r['predicted_fraction_of_copy']:>15.0f}%"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the records here")
@@ -295,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     parser.add_argument("--D", nargs="+", type=int, default=DEFAULT_D)
+    parser.add_argument("--compare", nargs="+", type=Path, help="benchmark CSVs: print measured beside predicted")
     args = parser.parse_args(argv)
     resources = kernel_resources.compile_all(verbose=True)
+    if args.compare:
+        print(compare(args.compare, resources))
+        return 0
     records = []
     for op in args.ops:
         for mode in args.modes:

@@ -6,7 +6,7 @@ Compiles csrc/cuda/*.cu to cubins with `nvcc --resource-usage` (the flags of the
   before the first use of any of them, and how many global stores are 16 bytes wide.
 
 nvcc takes minutes on a small machine, so its reports and cubins are cached in build/ptxas/, keyed by a hash of
-csrc/, the flags and the nvcc version. `python benchmarks/kernel_resources.py` prints a table.
+csrc/cuda and csrc/*.h, the flags and the nvcc version. `python benchmarks/kernel_resources.py` prints a table.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _flags() -> list[str]:
 
 def _source_hash(flags: list[str], compiler: str) -> str:
     h = hashlib.sha256()
-    for path in sorted((ROOT / "csrc").rglob("*")):
+    # What nvcc reads: csrc/cuda and the headers above it (not the CPU or emulated sources).
+    for path in sorted([*(ROOT / "csrc" / "cuda").iterdir(), *(ROOT / "csrc").glob("*.h")]):
         if path.is_file():
             h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     h.update(" ".join(flags).encode())

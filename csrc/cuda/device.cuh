@@ -15,7 +15,9 @@
 #define TLN_KERNEL __global__
 // The most threads a kernel is launched with: the compiler keeps its registers
 // within what a block of that size can have, so the launch cannot fail for lack of them.
-#define TLN_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads)
+// One resident block is enough: without it ptxas trades spills for occupancy
+// (sm_90: 4-28 bytes around the division's slow-path call at 64 registers).
+#define TLN_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads, 1)
 #define TLN_DEVICE __device__ __forceinline__
 // Fixed-size shared memory for the block.
 #define TLN_STATIC_SHARED(type, name, count) __shared__ type name[count]
@@ -85,6 +87,7 @@ void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes,
 #else  // SIMT emulation on the CPU
 
 #include <cmath>
+#include <source_location>
 
 #include "../emulated/simt_emulator.h"
 
@@ -122,26 +125,26 @@ T* dynamic_shared() {
 
 // Every access reports to the launch's traffic counters (simt_emulator.h), tagged
 // with the source line it comes from: a warp's accesses are grouped by line.
-using Site = emu::Site;
-#define TLN_SITE ::torch_ln::dev::Site{__builtin_FILE(), __builtin_LINE()}
+using Site = std::source_location;
+#define TLN_SITE ::std::source_location::current()
 template <typename T>
 T load_global(const T* p, Site site = TLN_SITE) {
-  emu::record_access(emu::Space::Global, p, sizeof(T), false, site);
+  emu::record_access(emu::Space::Global, p, sizeof(T), false, {site.file_name(), site.line()});
   return *p;
 }
 template <typename T>
 void store_global(T* p, const T& v, Site site = TLN_SITE) {
-  emu::record_access(emu::Space::Global, p, sizeof(T), true, site);
+  emu::record_access(emu::Space::Global, p, sizeof(T), true, {site.file_name(), site.line()});
   *p = v;
 }
 template <typename T>
 T load_shared(const T* p, Site site = TLN_SITE) {
-  emu::record_access(emu::Space::Shared, p, sizeof(T), false, site);
+  emu::record_access(emu::Space::Shared, p, sizeof(T), false, {site.file_name(), site.line()});
   return *p;
 }
 template <typename T>
 void store_shared(T* p, const T& v, Site site = TLN_SITE) {
-  emu::record_access(emu::Space::Shared, p, sizeof(T), true, site);
+  emu::record_access(emu::Space::Shared, p, sizeof(T), true, {site.file_name(), site.line()});
   *p = v;
 }
 
