@@ -19,38 +19,40 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import kernel_model  # noqa: E402
 
 ROWS = 5  # a partial tile of rows for every rows-per-block, several row-slots
-# Short rows (tpr < 32), a warp per row, a block per row, and the multi-pass paths (forward beyond 16384
-# float32/bfloat16 values, backward beyond 8192).
-CASES = [256, 1024, 4096, 8192, 12288, 20480]
+F32, BF16 = torch.float32, torch.bfloat16
+# Each path once or twice, both ops and dtypes spread over them: short rows (tpr < 32), a warp per row, a block
+# per row, the backward's multi-pass path (beyond 8192 values) with the forward in registers, the forward's
+# multi-pass path (beyond 16384).
+CASES = [
+    ("layer_norm", "fwd", F32, 256),
+    ("rms_norm", "fwd", BF16, 1024),
+    ("layer_norm", "fwd", BF16, 4096),
+    ("rms_norm", "fwd", F32, 12288),
+    ("layer_norm", "fwd", F32, 20480),
+    ("rms_norm", "fwd", BF16, 20480),
+    ("layer_norm", "bwd", F32, 256),
+    ("rms_norm", "bwd", BF16, 1024),
+    ("layer_norm", "bwd", F32, 4096),
+    ("rms_norm", "bwd", BF16, 4096),
+    ("layer_norm", "bwd", BF16, 12288),
+    ("rms_norm", "bwd", F32, 12288),
+]
 
 
-def _row_kernel(log):
-    return log[0]
-
-
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("mode", ["fwd", "bwd"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cols", CASES)
-def test_vector_paths_use_whole_sectors(op, mode, dtype, cols):
+@pytest.mark.parametrize("op,mode,dtype,cols", CASES)
+def test_traffic(op, mode, dtype, cols):
     log = kernel_model.emulate(op, mode, cols, ROWS, dtype, (2, 2048))
+    # 16-byte vectors: whole sectors, in the row kernel and in the backward's reduce; no bank conflicts.
     for launch in log:
         assert launch["coalesced_sector_bytes"] > 0, launch["kernel"]
         efficiency = launch["coalesced_bytes"] / launch["coalesced_sector_bytes"]
         assert efficiency == 1.0, f"{launch['kernel']}: sector efficiency {efficiency:.3f}"
         assert launch["bank_conflicts"] == 0, launch["kernel"]
-
-
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("mode", ["fwd", "bwd"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cols", [c for c in CASES if c <= 8192])
-def test_register_paths_move_each_row_once(op, mode, dtype, cols):
     elem = dtype.itemsize
-    ops = kernel_model.ops()
-    vec, items, tpr, rpb, blocks = ops.plan(mode, ROWS, cols, elem, True)
-    assert items > 0, "not a register-resident case"
-    launch = _row_kernel(kernel_model.emulate(op, mode, cols, ROWS, dtype, (2, 2048)))
+    vec, items, tpr, rpb, blocks = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
+    if items == 0:
+        return  # the multi-pass paths re-read rows by design (issue 10); the model reports by how much
+    launch = log[0]
     row_bytes = ROWS * cols * elem
     regions = launch["regions"]
     assert regions["x"][0] == row_bytes, "x is read more than once"
@@ -67,5 +69,5 @@ def test_register_paths_move_each_row_once(op, mode, dtype, cols):
 
 def test_counters_see_a_rereading_path():
     # The counters can fail the check above: the forward's multi-pass path reads x more than once.
-    launch = _row_kernel(kernel_model.emulate("rms_norm", "fwd", 20480, 2, torch.float32, (2, 2048)))
+    launch = kernel_model.emulate("rms_norm", "fwd", 20480, 2, F32, (2, 2048))[0]
     assert launch["regions"]["x"][0] == 2 * 2 * 20480 * 4
