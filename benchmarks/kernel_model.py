@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "emulated"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import emulated_build  # noqa: E402
-import kernel_resources  # noqa: E402
+import emulated_build
+import kernel_resources
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,10 @@ def emulate(op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: t
     o.set_regions(list(named), list(named.values()))
     try:
         if op == "layer_norm":
-            y, mean, rstd = o.layer_norm_fwd(x, [D], weight, bias, 1e-5)
+            _, mean, rstd = o.layer_norm_fwd(x, [D], weight, bias, 1e-5)
             named["mean"] = mean
         else:
-            y, rstd = o.rms_norm_fwd(x, [D], weight, 1e-6)
+            _, rstd = o.rms_norm_fwd(x, [D], weight, 1e-6)
         log = json.loads(o.take_launch_log())
         if mode == "bwd":
             named.update(dy=dy, rstd=rstd)
@@ -184,6 +184,16 @@ def kernel_time(dram_bytes: float, resident_threads: int, bytes_in_flight: int, 
 
 
 def model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M: int | None = None) -> dict:
+    # The backward's reduce has 2 x D / 32 blocks of alike work on disjoint columns: 8 of each row run, scaled.
+    # (The row kernels of the model's runs have at most 2 blocks.)
+    ops().set_block_sample(8)
+    try:
+        return _model_case(op, mode, dtype_name, D, resources, M)
+    finally:
+        ops().set_block_sample(0)
+
+
+def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M: int | None) -> dict:
     dtype = DTYPES[dtype_name]
     elem = torch.empty(0, dtype=dtype).element_size()
     M = M if M is not None else case_rows(mode, D, elem)
@@ -292,13 +302,18 @@ def compare(csv_paths: list[Path], resources: dict) -> str:
     """Measured (the benchmark's CSVs, provider torch_ln) beside predicted, case by case: one GPU run calibrates."""
     import csv
 
-    lines = [
+    head = (
         f"{'op':<10} {'mode':<4} {'dtype':<8} {'D':>6} {'M':>7} {'measured us':>11} {'predicted us':>12} "
         f"{'meas/pred':>9} {'measured % copy':>15} {'predicted % copy':>16}"
-    ]
+    )
+    lines = [head]
     for path in csv_paths:
         for row in csv.DictReader(path.open()):
-            if row["provider"] != "torch_ln" or row["mode"] not in ("fwd", "bwd") or math.isnan(float(row["ms"] or "nan")):
+            if (
+                row["provider"] != "torch_ln"
+                or row["mode"] not in ("fwd", "bwd")
+                or math.isnan(float(row["ms"] or "nan"))
+            ):
                 continue
             r = model_case(row["op"], row["mode"], row["dtype"], int(row["D"]), resources, M=int(row["M"]))
             measured_us = float(row["ms"]) * 1e3
@@ -331,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                     records.append(model_case(op, mode, dtype, D, resources))
                     print(table(records[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     assert all(list(r) == RECORD_KEYS for r in records)
-    print(f"Model of the CUDA kernels on an H200 (not a measurement; see benchmarks/README.md), {CASE_BYTES >> 20} MiB per case")
+    print(
+        f"Model of the CUDA kernels on an H200 (not a measurement; see benchmarks/README.md), {CASE_BYTES >> 20} MiB per case"
+    )
     print(table(records))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")

@@ -12,7 +12,6 @@ csrc/cuda and csrc/*.h, the flags and the nvcc version. `python benchmarks/kerne
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -80,7 +79,7 @@ def _source_hash(flags: list[str], compiler: str) -> str:
         if path.is_file():
             h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
     h.update(" ".join(flags).encode())
-    h.update(subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.encode())
+    h.update(subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout.encode())
     return h.hexdigest()[:20]
 
 
@@ -168,14 +167,18 @@ def compile_all(verbose: bool = False) -> dict[str, dict]:
         if not report.exists():
             if verbose:
                 print(f"nvcc {source.name} ...", file=sys.stderr)
-            run = subprocess.run([compiler, *flags, "-o", str(cubin), str(source)], capture_output=True, text=True)
+            run = subprocess.run(
+                [compiler, *flags, "-o", str(cubin), str(source)], capture_output=True, text=True, check=False
+            )
             if run.returncode != 0:
                 raise RuntimeError(f"nvcc failed on {source.name}:\n{run.stderr[-4000:]}")
             report.write_text(run.stdout + run.stderr)
         found = parse_resource_usage(report.read_text())
         sass = {}
         if dump and cubin.exists():
-            sass = parse_sass(subprocess.run([dump, "-sass", str(cubin)], capture_output=True, text=True).stdout)
+            sass = parse_sass(
+                subprocess.run([dump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+            )
         for name, res in found.items():
             kernels[name] = {**res, **sass.get(name, {}), "source": source.name}
     return kernels
@@ -195,20 +198,29 @@ def demangle(names: list[str]) -> dict[str, str]:
     filt = shutil.which("c++filt")
     if not filt:
         return {n: n for n in names}
-    out = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    out = subprocess.run(
+        [filt], input="\n".join(names), capture_output=True, text=True, check=False
+    ).stdout.splitlines()
     return dict(zip(names, out))
 
 
 def short_name(demangled: str) -> str:
     """'torch_ln::norm_forward_kernel<float, float, float, (NormKind)0, 4, 8>' -> 'norm_forward_kernel<float, ...>'."""
-    s = demangled.replace("torch_ln::", "").replace("c10::", "").replace("(NormKind)0", "LN").replace("(NormKind)1", "RMS")
+    s = (
+        demangled.replace("torch_ln::", "")
+        .replace("c10::", "")
+        .replace("(NormKind)0", "LN")
+        .replace("(NormKind)1", "RMS")
+    )
     return s.split("(")[0] if "(" in s and s.index("(") > s.find(">") else s
 
 
 if __name__ == "__main__":
     kernels = compile_all(verbose=True)
     names = demangle(sorted(kernels))
-    print(f"{'kernel':<80} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>5} {'LDG in flight':>16} {'STG128/narrow':>13}")
+    print(
+        f"{'kernel':<80} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>5} {'LDG in flight':>16} {'STG128/narrow':>13}"
+    )
     for mangled in sorted(kernels, key=lambda n: names[n]):
         k = kernels[mangled]
         print(

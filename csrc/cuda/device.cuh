@@ -51,7 +51,8 @@ TLN_DEVICE T* dynamic_shared() {
 
 // Global and shared memory accesses: plain ones here; the emulated build counts them.
 struct Site {};
-#define TLN_SITE ::torch_ln::dev::Site{}
+#define TLN_SITE \
+  ::torch_ln::dev::Site {}
 template <typename T>
 TLN_DEVICE T load_global(const T* p, Site = TLN_SITE) {
   return *p;

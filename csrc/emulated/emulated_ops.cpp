@@ -34,12 +34,18 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
               "'");
   const bool fwd = direction == "fwd";
   const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
-  const RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
-                              for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), emulated_device(), !fwd);
+  const RowPlan p =
+      plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
+                for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), emulated_device(), !fwd);
   return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks};
 }
 
 void set_l2_model(double l2_bytes, int64_t concurrent_blocks) { emu::set_l2_model(l2_bytes, concurrent_blocks); }
+
+void set_block_sample(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0, "set_block_sample: expected blocks >= 0, got ", blocks);
+  emu::set_block_sample(static_cast<unsigned>(blocks));
+}
 
 std::string take_launch_log() { return emu::take_launch_log(); }
 
@@ -64,6 +70,7 @@ TORCH_LIBRARY(torch_ln_emulated, m) {
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);
   m.def("set_regions", &set_regions);
+  m.def("set_block_sample", &set_block_sample);
 }
 
 TORCH_LIBRARY_IMPL(torch_ln_emulated, CPU, m) { register_norm_ops<EmulatedBackend>(m); }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -138,8 +139,8 @@ struct LaunchTraffic {
   uint64_t scalar_requests = 0;  // requests below a sector: per-row scalars, broadcasts
   uint64_t dram_read_bytes = 0, dram_write_bytes = 0;
   uint64_t shared_requests = 0, bank_conflicts = 0, barriers = 0;
-  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;  // [begin, end) of every global access
-  std::unordered_map<uint64_t, bool> sectors;           // every global sector touched -> dirty in L2
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;   // [begin, end) of every global access
+  std::unordered_map<uint64_t, bool> sectors;            // every global sector touched -> dirty in L2
   std::vector<std::pair<uint64_t, uint64_t>> by_region;  // load and store bytes per region, then "other"
 };
 
@@ -155,6 +156,7 @@ size_t region_of(uintptr_t address) {
 
 double model_l2_bytes = 50e6;  // H200: 60 MB of L2, about 50 MB usable by one stream
 int64_t model_concurrent_blocks = 0;
+unsigned block_sample = 0;  // 0: run every block
 std::vector<std::string> launch_log;
 
 // The DRAM estimate, by sector. The first touch of a sector in a launch reads it
@@ -184,15 +186,16 @@ void account_request(LaunchTraffic& t, const std::vector<const Access*>& lanes, 
   const Access& first = *lanes.front();
   for (const Access* a : lanes) {
     if (a->bytes != first.bytes || a->store != first.store) {
-      fail(std::string("warp-divergent access sequence at ") + first.site.file + ":" +
-           std::to_string(first.site.line) + ": lanes differ in width or direction");
+      fail(std::string("warp-divergent access sequence at ") + first.site.file + ":" + std::to_string(first.site.line) +
+           ": lanes differ in width or direction");
     }
   }
   if (first.space == Space::Shared) {
     // Distinct 4-byte words per bank; a bank serves one word per cycle (the same word is a broadcast).
     std::vector<uintptr_t> words;
     for (const Access* a : lanes) {
-      for (uintptr_t w = a->address / kBankBytes; w <= (a->address + a->bytes - 1) / kBankBytes; ++w) words.push_back(w);
+      for (uintptr_t w = a->address / kBankBytes; w <= (a->address + a->bytes - 1) / kBankBytes; ++w)
+        words.push_back(w);
     }
     std::sort(words.begin(), words.end());
     words.erase(std::unique(words.begin(), words.end()), words.end());
@@ -251,18 +254,19 @@ struct RequestKeyHash {
   }
 };
 
-std::string regions_json(const LaunchTraffic& t) {
+std::string regions_json(const LaunchTraffic& t, double scale) {
+  auto scaled = [scale](uint64_t v) { return std::to_string(static_cast<uint64_t>(std::llround(v * scale))); };
   std::string out;
   for (size_t i = 0; i < t.by_region.size(); ++i) {
     if (t.by_region[i].first + t.by_region[i].second == 0) continue;
-    out += (out.empty() ? "\"" : ",\"") + (i < regions.size() ? regions[i].name : std::string("other")) +
-           "\":[" + std::to_string(t.by_region[i].first) + "," + std::to_string(t.by_region[i].second) + "]";
+    out += (out.empty() ? "\"" : ",\"") + (i < regions.size() ? regions[i].name : std::string("other")) + "\":[" +
+           scaled(t.by_region[i].first) + "," + scaled(t.by_region[i].second) + "]";
   }
   return out;
 }
 
 std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, Dim3 block, size_t smem,
-                        int64_t concurrent_blocks) {
+                        int64_t concurrent_blocks, double scale) {
   std::string name = "?";
   Dl_info info;
   if (dladdr(kernel, &info) != 0 && info.dli_sname != nullptr) name = info.dli_sname;
@@ -275,18 +279,21 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
   }
   uint64_t dirty_at_end = 0;
   for (const auto& [sector, dirty] : t.sectors) dirty_at_end += dirty;
-  auto field = [](const char* key, uint64_t v) { return std::string(",\"") + key + "\":" + std::to_string(v); };
-  return std::string("{\"kernel\":\"") + name + "\"" + field("grid", uint64_t{grid.x} * grid.y * grid.z) +
-         field("block_threads", uint64_t{block.x} * block.y * block.z) + field("dynamic_smem", smem) +
-         field("load_bytes", t.load_bytes) + field("store_bytes", t.store_bytes) +
-         field("load_requests", t.load_requests) + field("store_requests", t.store_requests) +
-         field("coalesced_bytes", t.coalesced_bytes) + field("coalesced_sector_bytes", t.coalesced_sector_bytes) +
-         field("scalar_requests", t.scalar_requests) + field("unique_bytes", unique) +
-         field("dram_read_bytes", t.dram_read_bytes) +
+  auto field = [scale](const char* key, uint64_t v) {
+    return std::string(",\"") + key + "\":" + std::to_string(static_cast<uint64_t>(std::llround(v * scale)));
+  };
+  const std::string shape = ",\"grid\":" + std::to_string(uint64_t{grid.x} * grid.y * grid.z) +
+                            ",\"block_threads\":" + std::to_string(uint64_t{block.x} * block.y * block.z) +
+                            ",\"dynamic_smem\":" + std::to_string(smem);
+  return std::string("{\"kernel\":\"") + name + "\"" + shape + field("load_bytes", t.load_bytes) +
+         field("store_bytes", t.store_bytes) + field("load_requests", t.load_requests) +
+         field("store_requests", t.store_requests) + field("coalesced_bytes", t.coalesced_bytes) +
+         field("coalesced_sector_bytes", t.coalesced_sector_bytes) + field("scalar_requests", t.scalar_requests) +
+         field("unique_bytes", unique) + field("dram_read_bytes", t.dram_read_bytes) +
          field("dram_write_bytes", t.dram_write_bytes + dirty_at_end * kSectorBytes) +
          field("shared_requests", t.shared_requests) + field("bank_conflicts", t.bank_conflicts) +
-         field("barriers", t.barriers) + field("concurrent_blocks", concurrent_blocks) + ",\"regions\":{" +
-         regions_json(t) + "}}";
+         field("barriers", t.barriers) + ",\"concurrent_blocks\":" + std::to_string(concurrent_blocks) +
+         ",\"regions\":{" + regions_json(t, scale) + "}}";
 }
 
 }  // namespace
@@ -357,6 +364,11 @@ void set_l2_model(double l2_bytes, int64_t concurrent_blocks) {
   model_concurrent_blocks = concurrent_blocks;
 }
 
+void set_block_sample(unsigned blocks) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  block_sample = blocks;
+}
+
 void set_regions(std::vector<Region> named) {
   const std::lock_guard<std::mutex> serialize(launch_mutex);
   std::sort(named.begin(), named.end(), [](const Region& a, const Region& b) { return a.begin < b.begin; });
@@ -401,6 +413,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
           : std::min<int64_t>(blocks, kModelSms * std::max<int64_t>(1, kModelThreadsPerSm / threads));
   // Global bytes per byte one thread accesses, across the GPU (see account_dram).
   const double bytes_per_block_slot = static_cast<double>(threads) * concurrent_blocks;
+  // With sampling on, only the first blocks of each grid row run, and the counters are scaled to the whole grid.
+  const unsigned sampled_x = block_sample > 0 ? std::min<unsigned>(grid.x, block_sample) : grid.x;
   LaunchTraffic traffic;
   traffic.by_region.resize(regions.size() + 1);
 
@@ -409,6 +423,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
         {tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)}, {}, block, grid, &state, tid};
     current_thread = &ctx;
     for (uint64_t b = 0; b < blocks; ++b) {
+      if (b % grid.x >= sampled_x) continue;
       ctx.block_idx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
                        static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
       // Shared memory is uninitialized on a GPU: poison it for each block.
@@ -427,7 +442,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
   pool.reserve(threads);
   for (unsigned tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, tid);
   for (auto& t : pool) t.join();
-  launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks));
+  launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks,
+                                   static_cast<double>(grid.x) / sampled_x));
 }
 
 }  // namespace torch_ln::emu

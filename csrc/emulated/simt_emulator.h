@@ -73,6 +73,12 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
 // alone, at most the grid).
 void set_l2_model(double l2_bytes, int64_t concurrent_blocks);
 
+// For the kernel model only: run just the first `blocks` blocks of each row of
+// a grid (0: all) and scale the counters to the whole grid. Valid for launches
+// whose blocks along x do alike work on disjoint data (the backward's reduce);
+// the results of the skipped blocks are never computed.
+void set_block_sample(unsigned blocks);
+
 // Names address ranges [begin, end) (a tensor each): every launch then also
 // reports the bytes it loads and stores in each, and in none of them ("other").
 struct Region {

@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import kernel_model  # noqa: E402
+import kernel_model
 
 ROWS = 5  # a partial tile of rows for every rows-per-block, several row-slots
 F32, BF16 = torch.float32, torch.bfloat16
@@ -49,7 +49,7 @@ def test_traffic(op, mode, dtype, cols):
         assert efficiency == 1.0, f"{launch['kernel']}: sector efficiency {efficiency:.3f}"
         assert launch["bank_conflicts"] == 0, launch["kernel"]
     elem = dtype.itemsize
-    vec, items, tpr, rpb, blocks = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
+    _, items, _, rpb, blocks = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
     if items == 0:
         return  # the multi-pass paths re-read rows by design (issue 10); the model reports by how much
     launch = log[0]

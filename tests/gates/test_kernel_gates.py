@@ -22,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "emulated"))
-import emulated_build  # noqa: E402
-import kernel_resources  # noqa: E402
+import emulated_build
+import kernel_resources
 
 if kernel_resources.nvcc() is None:
     if os.environ.get("TORCH_LN_REQUIRE_GATES"):
