@@ -12,7 +12,7 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
 - a block per row (tpr >= 128): D=4096 bfloat16 (512 vectors / 4 = 128)
 - forward multi-pass: D=40000 float32 (> 8 x 512 vectors of 4), D=33001 (scalar, > 32 x 512);
   backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512);
-  both, every dtype, vectors and scalar: D=16392 and D=16411 (MULTIPASS_COLS)
+  every dtype, vectors and scalar: forward D=16392 and 16411, backward D=8200 and 8209
 - 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600
@@ -77,6 +77,12 @@ def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True)):
     y, rstd = ops.rms_norm_fwd(x, shape, weight, eps)
     dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]))
     return [y, dx, dw, None], (rstd,)
+
+
+def _emulated_forward(kind, x, weight, bias, eps):
+    if kind == "layer":
+        return ops.layer_norm_fwd(x, [x.shape[-1]], weight, bias, eps)[0]
+    return ops.rms_norm_fwd(x, [x.shape[-1]], weight, eps)[0]
 
 
 def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5):
@@ -158,25 +164,43 @@ def test_long_rows(kind, dtype, rows, cols):
     _check_against_torch(kind, x, weight, bias, dy)
 
 
-# D just past every register tier, in 16-byte vectors of every dtype (16392 = 8 * 2049) and on the scalar path
-# (16411 is prime): the multi-pass kernels of every dtype, both directions (the forward keeps at most
-# 32 float32 / 16 float64 values a thread x 512 threads in registers, the backward 16 / 8).
-MULTIPASS_COLS = [16392, 16411]
+# D just past every register tier, in 16-byte vectors of every dtype and on the scalar path (a prime D), so that
+# every dtype's multi-pass kernels run. The forward keeps 32 float32 (16 float64) values a thread x 512 threads in
+# registers, 16 on the scalar path: 16392 = 8 * 2049 and the prime 16411. The backward keeps 16 (8): 8200 = 8 * 1025
+# and the prime 8209; a backward call also runs the forward and the reduce (2 x D / 32 blocks: slow to emulate),
+# so the backward cases are the shortest rows that reach its multi-pass path.
+FORWARD_MULTIPASS_COLS = [16392, 16411]
+BACKWARD_MULTIPASS_COLS = [8200, 8209]
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype,param_dtype", DTYPES)
-@pytest.mark.parametrize("cols", MULTIPASS_COLS)
-def test_multipass_every_dtype(kind, dtype, param_dtype, cols):
+@pytest.mark.parametrize("cols", FORWARD_MULTIPASS_COLS)
+def test_forward_multipass_every_dtype(kind, dtype, param_dtype, cols):
+    x, weight, bias, _ = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
+    eps = 1e-5
+    y = _emulated_forward(kind, x, weight, bias, eps)
+    ref = _torch_norm(kind, eps)
+    exact = ref(x.double(), weight.double(), bias.double() if bias is not None else None)
+    err_ours = (y.double() - exact).abs().max().item()
+    err_torch = (ref(x, weight, bias).double() - exact).abs().max().item()
+    # As in _check_against_torch: at most twice torch's error in the same dtype, plus the floor.
+    assert err_ours <= 2 * err_torch + FLOOR[dtype]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize("cols", BACKWARD_MULTIPASS_COLS)
+def test_backward_multipass_every_dtype(kind, dtype, param_dtype, cols):
     x, weight, bias, dy = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
     _check_against_torch(kind, x, weight, bias, dy)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-@pytest.mark.parametrize("cols", MULTIPASS_COLS)
-def test_multipass_without_parameters_or_dx(kind, cols):
+def test_backward_multipass_without_weight_or_dx(kind):
     # The multi-pass backward's arms without a weight, and without dx (only the parameter gradients).
-    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, False))
+    cols = BACKWARD_MULTIPASS_COLS[0]
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, kind == "layer"))
     _check_against_torch(kind, x, weight, bias, dy)
     x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (True, kind == "layer"))
     full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
