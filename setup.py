@@ -1,4 +1,6 @@
-"""Builds torch_ln._C: the CPU kernels always, the CUDA kernels whenever nvcc and a CUDA build of torch are present.
+"""Builds torch_ln/lib/libtorch_ln.so, the operator library (no Python in it: C++ programs link it through the CMake
+package in torch_ln/share/cmake, and `import torch_ln` loads it): the CPU kernels always, the CUDA kernels whenever
+nvcc and a CUDA build of torch are present.
 
 Environment:
   TORCH_LN_FORCE_CPU=1    build the CPU-only extension even where CUDA could be built
@@ -30,7 +32,11 @@ if _find_cuda_home():
 
 import torch
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+# Not a Python module: a plain shared library, found by torch_ln/_extension.py and torch_lnConfig.cmake.
+LIBRARY = "torch_ln.lib.libtorch_ln"
 
 
 def _with_cuda() -> bool:
@@ -52,24 +58,36 @@ def _cuda_wheel_include_dirs() -> list[str]:
 def _extension():
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
     sources += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))
+    # The public header <torch_ln/torch_ln.h> ships with the package.
+    include_dirs = [str(ROOT / "torch_ln" / "include")]
     # -fopenmp: at::parallel_for is inlined into our code, and only runs in parallel when OpenMP is on.
     # -ffp-contract=off: no implicit a*b+c fusion, so g = dy*w is rounded once wherever it is used
     # (with D=1, dx = rstd*(g - mean(g)) is then exactly 0, as torch's).
     cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
     if not _with_cuda():
-        return CppExtension("torch_ln._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
-    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
-    cuda_dir = ROOT / "csrc" / "cuda"
-    sources += sorted(str(p.relative_to(ROOT)) for p in [*cuda_dir.glob("*.cu"), *cuda_dir.glob("*.cpp")])
-    nvcc_flags = ["-O3", "--threads", os.environ.get("NVCC_THREADS", "2"), "-lineinfo"]
-    return CUDAExtension(
-        "torch_ln._C",
-        sources,
-        include_dirs=_cuda_wheel_include_dirs(),
-        extra_compile_args={"cxx": cxx_flags + ["-DTORCH_LN_WITH_CUDA"], "nvcc": nvcc_flags},
-        extra_link_args=["-fopenmp"],
-    )
+        ext = CppExtension(
+            LIBRARY,
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+        cuda_dir = ROOT / "csrc" / "cuda"
+        sources += sorted(str(p.relative_to(ROOT)) for p in [*cuda_dir.glob("*.cu"), *cuda_dir.glob("*.cpp")])
+        nvcc_flags = ["-O3", "--threads", os.environ.get("NVCC_THREADS", "2"), "-lineinfo"]
+        ext = CUDAExtension(
+            LIBRARY,
+            sources,
+            include_dirs=include_dirs + _cuda_wheel_include_dirs(),
+            extra_compile_args={"cxx": cxx_flags + ["-DTORCH_LN_WITH_CUDA"], "nvcc": nvcc_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    # LibTorch only: the library must load in a process without a Python interpreter.
+    ext.libraries.remove("torch_python")
+    return ext
 
 
 def _write_build_info() -> None:
@@ -81,6 +99,26 @@ def _write_build_info() -> None:
     )
 
 
+class PythonIndependentWheel(bdist_wheel):
+    """The wheel holds no Python extension module, so any Python 3 can use it; it is tied to one torch version
+    (the install requirement below) and one platform instead."""
+
+    def get_tag(self):
+        return "py3", "none", super().get_tag()[2]
+
+
 ext = _extension()
 _write_build_info()
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+# build_ext --inplace (an editable install) copies the library here, but does not create the folder.
+(ROOT / "torch_ln" / "lib").mkdir(exist_ok=True)
+setup(
+    ext_modules=[ext],
+    # A binary extension works with the torch it was compiled against, and no other. The public version only: pip
+    # rejects a local label (+cu130) against the index's torch and the torch<=X caps some installations carry;
+    # import torch_ln still checks the full version (CUDA or CPU build) and says how to rebuild.
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
+    cmdclass={
+        "build_ext": BuildExtension.with_options(use_ninja=True, no_python_abi_suffix=True),
+        "bdist_wheel": PythonIndependentWheel,
+    },
+)

@@ -10,11 +10,14 @@
 
 namespace torch_ln {
 
-// The input/output element type T and the weight/bias element type W of a call.
-template <typename T, typename W>
+// The input/output element type T and the weight/bias element type W of a call,
+// and R, the element type of the rows the norm reads and dx: T, or after a
+// residual add, the residual stream's (residual_out's).
+template <typename T, typename W, typename R = T>
 struct DtypePair {
   using input_t = T;
   using param_t = W;
+  using row_t = R;
   // Statistics and partial sums: float64 for float64 input, float32 otherwise.
   using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 };
@@ -43,6 +46,18 @@ void dispatch_norm_dtypes(at::ScalarType input, at::ScalarType param, F&& f) {
     default:
       TORCH_CHECK_TYPE(false, "torch_ln: unsupported input dtype ", input);
   }
+}
+
+// Calls f(types) with row_t set to `row`: T itself, or float for a float32
+// residual stream under half or bfloat16 input (the only other combination
+// the operators accept).
+template <typename Types, typename F>
+void dispatch_row_dtype(Types types, at::ScalarType row, F&& f) {
+  using T = typename Types::input_t;
+  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
+    if (row == at::kFloat) return f(DtypePair<T, typename Types::param_t, float>{});
+  }
+  return f(types);
 }
 
 }  // namespace torch_ln

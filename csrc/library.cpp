@@ -1,7 +1,7 @@
 // The torch_ln operator library: schemas and the CPU implementations. The CUDA
-// implementations register themselves in csrc/cuda/norm_cuda.cu.
-#include <Python.h>
-
+// implementations register themselves in csrc/cuda/register_cuda.cpp.
+// No Python here: this file is part of libtorch_ln, which C++ programs link
+// and the Python package loads with torch.ops.load_library.
 #include "cpu/norm_cpu.h"
 #include "norm_ops.h"
 
@@ -16,9 +16,3 @@ TORCH_LIBRARY(torch_ln, m) { define_norm_schemas(m); }
 TORCH_LIBRARY_IMPL(torch_ln, CPU, m) { register_norm_ops<CpuBackend>(m); }
 
 }  // namespace torch_ln
-
-// `import torch_ln._C` loads this library, which runs the registrations above.
-extern "C" PyObject* PyInit__C() {
-  static PyModuleDef module{PyModuleDef_HEAD_INIT, "_C", "torch_ln operator library", -1, nullptr};
-  return PyModule_Create(&module);
-}

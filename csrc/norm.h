@@ -13,22 +13,37 @@
 
 namespace torch_ln {
 
+// Where the weight product rounds, for norms that follow another library's arithmetic. The defaults are torch's:
+// xhat * weight in acc_t, rounded once at the end.
+struct RoundingOptions {
+  double weight_offset = 0;       // the weight enters as (weight + offset), added in acc_t (Gemma: 1)
+  bool round_normalized = false;  // xhat rounded to the input dtype before the weight multiply (Llama)
+};
+
 // Arguments of one forward call, already validated. x and y are [M, D] and
 // contiguous; weight and bias are [D] contiguous or undefined; mean and rstd
 // are [M] contiguous in the accumulation dtype (mean is undefined for RMSNorm).
+// With a residual ([M, D] contiguous, of residual_out's dtype), the norm is of
+// residual_out = x + residual, which the kernels write; otherwise both are undefined.
 struct ForwardArgs {
   at::Tensor x, weight, bias;
   double eps;
   at::Tensor y, mean, rstd;
   int64_t rows, cols;
+  at::Tensor residual, residual_out;
+  RoundingOptions rounding = {};
 };
 
 // Arguments of one backward call. dy and x are [M, D] contiguous; mean/rstd as
-// in ForwardArgs. dx, dweight, dbias are undefined when not requested.
+// in ForwardArgs. dx, dweight, dbias are undefined when not requested. After a
+// residual add, x is residual_out, whose dtype may differ from dy's (then dx has
+// x's); grad_residual_out, if defined ([M, D] contiguous, x's dtype), is added to dx.
 struct BackwardArgs {
   at::Tensor dy, x, mean, rstd, weight;
   at::Tensor dx, dweight, dbias;
   int64_t rows, cols;
+  at::Tensor grad_residual_out;
+  RoundingOptions rounding = {};
 };
 
 // The kernels one backend provides.
@@ -37,7 +52,7 @@ struct NormKernels {
   void (*backward)(NormKind, const BackwardArgs&);
 };
 
-// Registers the four operator schemas into `m` (the torch_ln library, or the
+// Registers the operator schemas into `m` (the torch_ln library, or the
 // emulated-CUDA test library, which shares the schemas).
 void define_norm_schemas(torch::Library& m);
 

@@ -83,6 +83,37 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
   if (mean.has_value()) check_stat("mean", *mean);
 }
 
+void check_rounding(const char* op, const RoundingOptions& rounding, const std::optional<at::Tensor>& weight) {
+  TORCH_CHECK_VALUE(weight.has_value() || rounding.weight_offset == 0, "torch_ln.", op,
+                    ": expected a weight with weight_offset=", rounding.weight_offset, ", but got weight=None");
+}
+
+at::ScalarType residual_stream_dtype(const char* op, const at::Tensor& input,
+                                     std::optional<at::ScalarType> residual_dtype) {
+  const auto in = input.scalar_type();
+  if (!residual_dtype.has_value()) return in;
+  const auto r = *residual_dtype;
+  TORCH_CHECK_TYPE(at::isFloatingType(r), "torch_ln.", op,
+                   ": expected residual_dtype to be a floating-point dtype, but got residual_dtype=", r);
+  const bool reduced = in == at::kHalf || in == at::kBFloat16;
+  TORCH_CHECK_TYPE(r == in || (reduced && r == at::kFloat), "torch_ln.", op,
+                   ": expected residual_dtype to be the input's dtype (", in, ")", reduced ? " or float32" : "",
+                   ", but got residual_dtype=", r);
+  return r;
+}
+
+void check_like(const char* op, const char* name, const at::Tensor& tensor, const char* like_name,
+                const at::Tensor& like, at::ScalarType dtype, at::ScalarType other_dtype) {
+  TORCH_CHECK_VALUE(tensor.sizes() == like.sizes(), "torch_ln.", op, ": expected ", name, " to have ", like_name,
+                    "'s shape ", like.sizes(), ", but got ", name, ".shape=", tensor.sizes());
+  const auto t = tensor.scalar_type();
+  TORCH_CHECK_TYPE(t == dtype || t == other_dtype, "torch_ln.", op, ": expected ", name, " of dtype ", dtype,
+                   other_dtype != dtype ? " or " : "", other_dtype != dtype ? c10::toString(other_dtype) : "",
+                   ", but got ", name, ".dtype=", t);
+  TORCH_CHECK_VALUE(tensor.device() == like.device(), "torch_ln.", op, ": expected ", name, " on ", like_name,
+                    "'s device (", like.device(), "), but got ", name, ".device=", tensor.device());
+}
+
 at::ScalarType accumulation_dtype(at::ScalarType input) { return input == at::kDouble ? at::kDouble : at::kFloat; }
 
 std::vector<int64_t> statistics_shape(const at::Tensor& input, int64_t axis) {
@@ -111,10 +142,32 @@ void define_norm_schemas(torch::Library& m) {
       "layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd,"
       " Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
       tags);
-  m.def("rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps) -> (Tensor, Tensor)", tags);
+  // weight_offset and round_normalized: see RoundingOptions (csrc/norm.h); the defaults are torch's arithmetic.
+  m.def(
+      "rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, float weight_offset=0.,"
+      " bool round_normalized=False) -> (Tensor, Tensor)",
+      tags);
   m.def(
       "rms_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor rstd, Tensor? weight,"
-      " bool[2] output_mask) -> (Tensor, Tensor)",
+      " bool[2] output_mask, float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor)",
+      tags);
+  // Residual add + norm: (y, residual_out, statistics); the backward's first output is the gradient of
+  // residual_out, which is that of both input and residual.
+  m.def(
+      "add_layer_norm_fwd(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight, Tensor? bias,"
+      " float eps, ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
+      tags);
+  m.def(
+      "add_layer_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, SymInt[] normalized_shape,"
+      " Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def(
+      "add_rms_norm_fwd(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight, float? eps,"
+      " ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def(
+      "add_rms_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, SymInt[] normalized_shape,"
+      " Tensor rstd, Tensor? weight, bool[2] output_mask) -> (Tensor, Tensor)",
       tags);
 }
 

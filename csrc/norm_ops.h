@@ -25,6 +25,17 @@ RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntAr
 void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const RowShape& shape,
                            const at::Tensor& rstd, const std::optional<at::Tensor>& mean);
 
+// A weight offset needs a weight to offset.
+void check_rounding(const char* op, const RoundingOptions& rounding, const std::optional<at::Tensor>& weight);
+// The dtype of the residual stream (residual_out) of a fused residual add: residual_dtype, or the input's. It must
+// be the input's, or float32 for half or bfloat16 input.
+at::ScalarType residual_stream_dtype(const char* op, const at::Tensor& input,
+                                     std::optional<at::ScalarType> residual_dtype);
+
+// `tensor` (named `name`) must have the shape and device of `like`, and one of the dtypes `dtype` or `other_dtype`.
+void check_like(const char* op, const char* name, const at::Tensor& tensor, const char* like_name,
+                const at::Tensor& like, at::ScalarType dtype, at::ScalarType other_dtype);
+
 // float32 for float32/float16/bfloat16 input, float64 for float64 input.
 at::ScalarType accumulation_dtype(at::ScalarType input);
 
@@ -43,13 +54,30 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t);
 // cannot return None); the Python layer maps them to None.
 at::Tensor unrequested_grad(const at::Tensor& like);
 
-// One forward call of either kind: checks, allocates, runs the kernels. Returns (y, mean, rstd) with the
-// statistics in aten's shape; mean is undefined for RMSNorm.
+// The forward's optional residual add: the residual and the dtype of residual_out.
+struct ResidualAdd {
+  const at::Tensor& residual;
+  std::optional<at::ScalarType> residual_dtype;
+};
+
+// One forward call of either kind, with or without a residual add: checks, allocates, runs the kernels. Returns
+// (y, residual_out, mean, rstd) with the statistics in aten's shape; mean is undefined for RMSNorm, residual_out
+// without a residual.
 template <typename Backend>
-std::array<at::Tensor, 3> run_forward(NormKind kind, const char* op, const at::Tensor& input,
+std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::Tensor& input,
                                       at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-                                      const std::optional<at::Tensor>& bias, double eps) {
+                                      const std::optional<at::Tensor>& bias, double eps, RoundingOptions rounding = {},
+                                      const std::optional<ResidualAdd>& add = std::nullopt) {
   const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
+  check_rounding(op, rounding, weight);
+  at::Tensor residual, residual_out;
+  if (add.has_value()) {
+    const auto stream = residual_stream_dtype(op, input, add->residual_dtype);
+    check_like(op, "residual", add->residual, "input", input, input.scalar_type(), stream);
+    // A residual of the input's dtype under a wider stream is converted first: the kernels read one stream dtype.
+    residual = add->residual.to(stream).contiguous();
+    residual_out = at::empty(input.sizes(), input.options().dtype(stream).memory_format(at::MemoryFormat::Contiguous));
+  }
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   ForwardArgs a{input.contiguous(),
                 contiguous_or_undefined(weight),
@@ -59,22 +87,39 @@ std::array<at::Tensor, 3> run_forward(NormKind kind, const char* op, const at::T
                 kind == NormKind::LayerNorm ? at::empty({s.rows}, stat_opts) : at::Tensor(),
                 at::empty({s.rows}, stat_opts),
                 s.rows,
-                s.cols};
+                s.cols,
+                residual,
+                residual_out,
+                rounding};
   if (s.rows > 0) Backend::kernels.forward(kind, a);
   const auto stat_shape = statistics_shape(input, s.axis);
-  return {a.y, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
+  return {a.y, residual_out, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
 }
 
-// One backward call of either kind. Returns (dx, dweight, dbias); each one not requested (or without its
-// parameter) is an empty tensor.
+// One backward call of either kind. After a residual add (`fused`), `input` is residual_out, which may have a wider
+// dtype than grad_out, and grad_residual_out, if any, is added to dx. Returns (dx, dweight, dbias); each one not
+// requested (or without its parameter) is an empty tensor.
 template <typename Backend>
 std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::Tensor& grad_out,
                                        const at::Tensor& input, at::IntArrayRef normalized_shape,
                                        const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                        const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                       std::array<bool, 3> output_mask) {
-  const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
-  check_backward_inputs(op, grad_out, input, s, rstd, mean);
+                                       std::array<bool, 3> output_mask, RoundingOptions rounding = {},
+                                       bool fused = false,
+                                       const std::optional<at::Tensor>& grad_residual_out = std::nullopt) {
+  // The parameters' dtypes are checked against the norm's output dtype, which is grad_out's.
+  const RowShape s = check_forward_inputs(op, fused ? grad_out : input, normalized_shape, weight, bias);
+  check_rounding(op, rounding, weight);
+  if (fused) {
+    const auto stream = residual_stream_dtype(op, grad_out, input.scalar_type());
+    check_like(op, "residual_out", input, "grad_out", grad_out, stream, stream);
+    check_backward_inputs(op, grad_out, grad_out, s, rstd, mean);
+    if (grad_residual_out.has_value()) {
+      check_like(op, "grad_residual_out", *grad_residual_out, "residual_out", input, stream, stream);
+    }
+  } else {
+    check_backward_inputs(op, grad_out, input, s, rstd, mean);
+  }
   BackwardArgs a{grad_out.contiguous(),
                  input.contiguous(),
                  mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
@@ -84,7 +129,9 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                  {},
                  {},
                  s.rows,
-                 s.cols};
+                 s.cols,
+                 output_mask[0] ? contiguous_or_undefined(grad_residual_out) : at::Tensor(),
+                 rounding};
   if (output_mask[0]) a.dx = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
   const bool want_dweight = output_mask[1] && weight.has_value();
   const bool want_dbias = output_mask[2] && bias.has_value();
@@ -105,9 +152,8 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                               const std::optional<at::Tensor>& weight,
                                                               const std::optional<at::Tensor>& bias, double eps) {
-  const auto [y, mean, rstd] =
-      run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps);
-  return {y, mean, rstd};
+  const auto out = run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps);
+  return {out[0], out[2], out[3]};
 }
 
 template <typename Backend>
@@ -124,24 +170,74 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
 
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                                const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  const auto out = run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
-                                        eps.value_or(default_rms_eps(input.scalar_type())));
-  return {out[0], out[2]};
+                                                const std::optional<at::Tensor>& weight, std::optional<double> eps,
+                                                double weight_offset, bool round_normalized) {
+  const auto out =
+      run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
+                           eps.value_or(default_rms_eps(input.scalar_type())), {weight_offset, round_normalized});
+  return {out[0], out[3]};
 }
 
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                 at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                 const std::optional<at::Tensor>& weight,
-                                                std::array<bool, 2> output_mask) {
-  const auto grads =
-      run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape, std::nullopt,
-                            rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false});
+                                                std::array<bool, 2> output_mask, double weight_offset,
+                                                bool round_normalized) {
+  const auto grads = run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape,
+                                           std::nullopt, rstd, weight, std::nullopt,
+                                           {output_mask[0], output_mask[1], false}, {weight_offset, round_normalized});
   return {grads[0], grads[1]};
 }
 
-// Registers the four operators of one backend under `m` (a TORCH_LIBRARY_IMPL
+// The fused residual add + norm: (y, residual_out, mean, rstd) and (d residual_out, dweight, dbias), where
+// d residual_out (the gradient of x and of residual) includes grad_residual_out.
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    std::optional<at::ScalarType> residual_dtype) {
+  const auto out = run_forward<Backend>(NormKind::LayerNorm, "add_layer_norm", input, normalized_shape, weight, bias,
+                                        eps, {}, ResidualAdd{residual, residual_dtype});
+  return {out[0], out[1], out[2], out[3]};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
+    at::IntArrayRef normalized_shape, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  const auto [dh, dweight, dbias] =
+      run_backward<Backend>(NormKind::LayerNorm, "add_layer_norm_backward", grad_out, residual_out, normalized_shape,
+                            mean, rstd, weight, bias, output_mask, {}, true, grad_residual_out);
+  return {dh, dweight, dbias};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(const at::Tensor& input, const at::Tensor& residual,
+                                                                at::IntArrayRef normalized_shape,
+                                                                const std::optional<at::Tensor>& weight,
+                                                                std::optional<double> eps,
+                                                                std::optional<at::ScalarType> residual_dtype) {
+  const auto out = run_forward<Backend>(NormKind::RMSNorm, "add_rms_norm", input, normalized_shape, weight,
+                                        std::nullopt, eps.value_or(default_rms_eps(input.scalar_type())), {},
+                                        ResidualAdd{residual, residual_dtype});
+  return {out[0], out[1], out[3]};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& grad_out,
+                                                    const std::optional<at::Tensor>& grad_residual_out,
+                                                    const at::Tensor& residual_out, at::IntArrayRef normalized_shape,
+                                                    const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                                                    std::array<bool, 2> output_mask) {
+  const auto grads = run_backward<Backend>(NormKind::RMSNorm, "add_rms_norm_backward", grad_out, residual_out,
+                                           normalized_shape, std::nullopt, rstd, weight, std::nullopt,
+                                           {output_mask[0], output_mask[1], false}, {}, true, grad_residual_out);
+  return {grads[0], grads[1]};
+}
+
+// Registers the operators of one backend under `m` (a TORCH_LIBRARY_IMPL
 // block for the backend's dispatch key).
 template <typename Backend>
 void register_norm_ops(torch::Library& m) {
@@ -149,6 +245,10 @@ void register_norm_ops(torch::Library& m) {
   m.impl("layer_norm_bwd", &layer_norm_bwd<Backend>);
   m.impl("rms_norm_fwd", &rms_norm_fwd<Backend>);
   m.impl("rms_norm_bwd", &rms_norm_bwd<Backend>);
+  m.impl("add_layer_norm_fwd", &add_layer_norm_fwd<Backend>);
+  m.impl("add_layer_norm_bwd", &add_layer_norm_bwd<Backend>);
+  m.impl("add_rms_norm_fwd", &add_rms_norm_fwd<Backend>);
+  m.impl("add_rms_norm_bwd", &add_rms_norm_bwd<Backend>);
 }
 
 }  // namespace torch_ln

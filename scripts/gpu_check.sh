@@ -22,6 +22,10 @@ step "CUDA tests (parity, gradcheck, opcheck, compile, determinism, batch invari
 timeout 240 python3 -m pytest tests --ignore=tests/emulated -k cuda -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
 
+step "C++ example: the C++ API on CUDA tensors, an AOTInductor CUDA package run from C++"
+MAX_JOBS=16 timeout 300 python3 -m pytest tests/test_cpp_example.py -q -p no:cacheprovider 2>&1 | tee "$OUT/cpp_example.log" | tail -5
+echo "C++ example exit: ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+
 step "compute-sanitizer memcheck and racecheck"
 for tool in memcheck racecheck; do
   timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 3 python3 scripts/sanitizer_case.py \

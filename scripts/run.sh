@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 # torch first: the extension builds against the installed torch (--no-build-isolation).
-"$PYTHON" -m pip install --quiet "torch>=2.11,<2.15" ninja pytest numpy expecttest
+"$PYTHON" -m pip install --quiet "torch>=2.11,<2.15" ninja pytest numpy expecttest transformers==5.23.0 timm==1.0.31
 "$PYTHON" -m pip install --quiet --no-build-isolation -e .
 
 case "${1:-}" in

@@ -29,13 +29,21 @@ def result():
 
 def test_exits_zero_and_passes(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.rstrip().splitlines()[-1] == "PASS"
+    assert result.stdout.rstrip().splitlines()[-1].startswith("PASS: torch_ln's results agree")
 
 
 def test_model_check_line(result):
     lines = [line for line in result.stdout.splitlines() if line.startswith("model check:")]
     assert len(lines) == 1, result.stdout
     assert "7/7 norms replaced" in lines[0]
+    assert lines[0].endswith("-> PASS")
+
+
+def test_hf_llama_check_line(result):
+    pytest.importorskip("transformers", reason="the HF Llama check needs transformers (pip install)")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("HF Llama check")]
+    assert len(lines) == 1, result.stdout
+    assert "5/5 LlamaRMSNorm replaced" in lines[0]  # 2 layers x 2 norms + the final norm
     assert lines[0].endswith("-> PASS")
 
 
@@ -51,5 +59,13 @@ def test_timing_table(result):
     ours = [row for row in rows if row[4] == "torch_ln"]
     assert len(ours) == len(rows) // 2
     for row in ours:
-        assert row[-1] == "ok", f"torch_ln row not ok: {' '.join(row)}"
+        assert row[10] == "ok", f"torch_ln row not ok: {' '.join(row)}"
         assert float(row[5]) > 0  # a time in ms
+    # torch_ln rows slower than torch are marked (the printed speedup has 2 decimals: 0.995-1.005 may go either
+    # way), and the last line counts the marks.
+    marked = [row for row in ours if row[11:] == ["SLOWER", "than", "torch"]]
+    assert all(row[11:] in ([], ["SLOWER", "than", "torch"]) for row in ours)
+    for row in ours:
+        speedup = float(row[8].rstrip("x"))
+        assert (row in marked) == (speedup < 1.0) or speedup == 1.0, " ".join(row)
+    assert lines[-1].endswith(f"SLOWER than torch eager in {len(marked)} of {len(ours)} timed cases")

@@ -25,6 +25,7 @@ from norm_cases import (
     assert_close_to_torch,
     check_against_torch_and_reference,
     make_params,
+    max_error,
     norm_affine_dtype_params,
     norm_affine_params,
     output_masks,
@@ -426,6 +427,38 @@ def test_large_mean_precision(norm, d, device):
         naive_var = (x.square().mean(-1, keepdim=True) - mean.square()).clamp_min(0)
         naive = (x - mean) * (naive_var + 1e-5).rsqrt() * weight + bias
         assert _rms_error(naive, ref64["y"]) > 2 * _rms_error(theirs["y"], ref64["y"]) + 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "d",
+    [
+        *(2**k for k in range(10, 23, 2)),  # 1024 (last two-pass row on the CPU) ... 2^22 (one-read statistics)
+        2**22 + 7,  # odd: seven tail elements after the cascaded blocks
+    ],
+)
+@pytest.mark.parametrize("norm", NORMS)
+def test_long_row_accuracy(norm, d, dtype, device):
+    """Regression (issue 11): the CPU's one-read LayerNorm statistics kept a running mean over D/32 elements per lane,
+    so their error grew linearly with D (y 13x torch's error from float64 at D = 2^20). Now y, dx, dweight and dbias
+    stay within 2x torch's own error at every D up to 2^22. The floor is one ulp of the input dtype at the tensor's
+    scale: a one-ulp difference in rstd moves the largest |y| by that much, and on 3 rows torch's rstd is sometimes
+    the correctly rounded one (measured at D=1024: 1.8e-6 against torch's 8e-7, both a single ulp of rstd). The old
+    code broke this from D = 2^20 (2.3e-5 against 2 x 1.7e-6 + 1.8e-6)."""
+    x = (3 * torch.randn(3, d, device=device) + 1).to(dtype)
+    grad_out = torch.randn(3, d, device=device).to(dtype)
+    weight = torch.randn(d, device=device).to(dtype)
+    bias = torch.randn(d, device=device).to(dtype) if norm.has_bias else None
+    ours = run(norm.ours, x, weight, bias, grad_out, (d,), norm.default_eps)
+    theirs = run(norm.torch, x, weight, bias, grad_out, (d,), norm.default_eps)
+    ref64 = run(norm.reference, x, weight, bias, grad_out, (d,), norm.default_eps, dtype=torch.float64)
+    for name, ref in ref64.items():
+        ours_err, torch_err = max_error(ours[name], ref), max_error(theirs[name], ref)
+        floor = torch.finfo(dtype).eps * ref.abs().max().item()
+        assert ours_err <= 2 * torch_err + floor, (
+            f"{name}: error vs float64 {ours_err:.3e} > 2 x torch's {torch_err:.3e} + {floor:.3e}"
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,12 +1,17 @@
-"""Drop-in modules for torch.nn.LayerNorm and torch.nn.RMSNorm, and the swap-in helper."""
+"""Drop-in modules for torch.nn.LayerNorm and torch.nn.RMSNorm, the registry of norm classes, and the swap-in helper."""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
 from torch import Tensor, nn
 
 from torch_ln import ops
 
-__all__ = ["LayerNorm", "RMSNorm", "replace_norms"]
+__all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "forward_converter", "register_norm", "replace_norms"]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -29,25 +34,132 @@ class RMSNorm(nn.RMSNorm):
         return ops.rms_norm(input, self.normalized_shape, self.weight, self.eps)
 
 
-_REPLACEMENTS: dict[type[nn.Module], type[nn.Module]] = {nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm}
+Converter = Callable[[nn.Module], nn.Module]
+
+# The registry: a norm class -> the converter that returns its torch_ln replacement. Keyed by the exact class, so a
+# subclass (which may override forward) is only swapped if it is registered itself.
+_CONVERTERS: dict[type, Converter] = {}
+# Called with a class the registry does not hold: each returns a converter or None, and a found one is registered
+# (torch_ln.integrations recognizes transformers' and timm's classes this way, importing neither itself).
+_RESOLVERS: list[Callable[[type], Converter | None]] = []
+_UNRESOLVED: set[type] = set()
+
+logger = logging.getLogger("torch_ln")
 
 
-def replace_norms(model: nn.Module) -> nn.Module:
-    """Swaps every ``nn.LayerNorm`` and ``nn.RMSNorm`` in ``model`` for torch_ln's, in place.
+class AddLayerNorm(nn.LayerNorm):
+    """Residual add + LayerNorm: ``forward(x, residual)`` returns ``(y, residual_out)`` (see
+    :func:`torch_ln.add_layer_norm`).
 
-    The swapped modules keep the same parameter objects (so optimizers holding them
-    keep working), device, dtype, hooks and training mode; a norm shared by several
-    parents stays shared. Subclasses of the torch modules are left alone: they may
-    override ``forward``. Returns ``model`` (converted itself if it is a bare norm).
+    Constructor, parameters and state_dict are ``nn.LayerNorm``'s, plus the keyword
+    ``residual_dtype`` (default ``None``: the input's dtype), which is not part of the state.
+    """
+
+    def __init__(self, *args, residual_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.add_layer_norm(
+            x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.residual_dtype
+        )
+
+
+class AddRMSNorm(nn.RMSNorm):
+    """Residual add + RMSNorm: ``forward(x, residual)`` returns ``(y, residual_out)``, as :class:`AddLayerNorm`."""
+
+    def __init__(self, *args, residual_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps, self.residual_dtype)
+
+
+def register_norm(cls: type, converter: Converter) -> None:
+    """Makes :func:`replace_norms` swap every module of exactly class ``cls`` for ``converter(module)``.
+
+    ``converter`` returns the replacement module; :func:`forward_converter` builds the usual one, which
+    keeps the module itself (parameters, buffers, hooks, training flag, ``isinstance``) and replaces only
+    its ``forward``. Registering a class again replaces its converter.
+    """
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise TypeError(f"torch_ln.register_norm: expected cls to be an nn.Module subclass, but got {cls!r}")
+    if not callable(converter):
+        raise TypeError(f"torch_ln.register_norm: expected converter to be callable, but got {converter!r}")
+    _CONVERTERS[cls] = converter
+
+
+def converter_for(cls: type) -> Converter | None:
+    """The converter :func:`replace_norms` uses for modules of class ``cls``, or None (left untouched)."""
+    if cls not in _CONVERTERS and cls not in _UNRESOLVED:
+        for resolve in _RESOLVERS:
+            converter = resolve(cls)
+            if converter is not None:
+                _CONVERTERS[cls] = converter
+                break
+        else:
+            _UNRESOLVED.add(cls)  # the resolvers read source files: ask them once per class
+    return _CONVERTERS.get(cls)
+
+
+class forward_converter:
+    """A converter that re-classes a module to a subclass of its own class whose ``forward`` is ``forward``.
+
+    The subclass keeps the class name (transformers initializes weights by class name), and is created
+    once per class. An instance-level ``forward`` (transformers' kernel hub installs one) is dropped.
+    """
+
+    def __init__(self, forward: Callable[..., Tensor]) -> None:
+        self.forward = forward
+        self._subclasses: dict[type, type] = {}
+
+    def subclass(self, cls: type) -> type:
+        """The subclass of ``cls`` with this forward (the same object on every call)."""
+        if cls not in self._subclasses:
+            sub = type(cls.__name__, (cls,), {"forward": self.forward, "__module__": cls.__module__})
+            sub.__qualname__ = f"{cls.__qualname__}{_SUFFIX}"
+            self._subclasses[cls] = sub
+        return self._subclasses[cls]
+
+    def __call__(self, module: nn.Module) -> nn.Module:
+        swapped = _swap(module, self.subclass(type(module)))
+        swapped.__dict__.pop("forward", None)
+        return swapped
+
+
+_SUFFIX = "[torch_ln]"  # marks the classes forward_converter makes
+
+
+def _reclass(replacement: type[nn.Module]) -> Converter:
+    return lambda module: _swap(module, replacement)
+
+
+register_norm(nn.LayerNorm, _reclass(LayerNorm))
+register_norm(nn.RMSNorm, _reclass(RMSNorm))
+
+
+def replace_norms(model: nn.Module, *, verbose: bool = False) -> nn.Module:
+    """Swaps every norm module of a registered class in ``model`` for torch_ln's, in place.
+
+    Registered: ``nn.LayerNorm``, ``nn.RMSNorm``, transformers' and timm's norm classes (see
+    :mod:`torch_ln.integrations`) and whatever :func:`register_norm` added. The swapped modules keep
+    the same parameter objects (so optimizers holding them keep working), device, dtype, hooks and
+    training mode; a norm shared by several parents stays shared. Modules of any other class, including
+    subclasses of registered ones, are left alone. What was swapped, and which modules whose class name
+    says "Norm" were not, is logged to the ``torch_ln`` logger (INFO) and printed with ``verbose=True``.
+    Returns ``model`` (converted itself if it is a bare norm).
     """
     swapped: dict[int, nn.Module] = {}
+    counts: Counter[str] = Counter()
 
     def convert(module: nn.Module) -> nn.Module:
-        replacement = _REPLACEMENTS.get(type(module))
-        if replacement is None:
+        converter = None if _is_torch_ln(module) else converter_for(type(module))
+        if converter is None:
             return module
         if id(module) not in swapped:
-            swapped[id(module)] = _swap(module, replacement)
+            swapped[id(module)] = converter(module)
+            counts[type(module).__qualname__] += 1
         return swapped[id(module)]
 
     for parent in list(model.modules()):
@@ -55,7 +167,24 @@ def replace_norms(model: nn.Module) -> nn.Module:
         for name, child in list(parent._modules.items()):
             if child is not None:
                 parent._modules[name] = convert(child)
-    return convert(model)
+    model = convert(model)
+    replacements = {id(m) for m in swapped.values()}
+    skipped = Counter(
+        type(m).__qualname__
+        for m in model.modules()
+        if "norm" in type(m).__name__.lower() and id(m) not in replacements and not _is_torch_ln(m)
+    )
+    message = "torch_ln.replace_norms: swapped " + (", ".join(f"{n} x{c}" for n, c in counts.items()) or "nothing")
+    if skipped:
+        message += "; not swapped (unregistered): " + ", ".join(f"{n} x{c}" for n, c in skipped.items())
+    logger.info(message)
+    if verbose:
+        print(message)
+    return model
+
+
+def _is_torch_ln(module: nn.Module) -> bool:
+    return isinstance(module, (LayerNorm, RMSNorm)) or type(module).__qualname__.endswith(_SUFFIX)
 
 
 def _swap(module: nn.Module, replacement: type[nn.Module]) -> nn.Module:

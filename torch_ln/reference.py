@@ -21,6 +21,21 @@ def _normalized_dims(input: Tensor, normalized_shape: Sequence[int]) -> list[int
     return list(range(input.dim() - len(normalized_shape), input.dim()))
 
 
+def layer_norm_statistics(x: Tensor, normalized_shape: Sequence[int], eps: float) -> tuple[Tensor, Tensor]:
+    """mean and rstd of each row of x (already in the accumulation dtype), kept as size-1 dims."""
+    dims = _normalized_dims(x, normalized_shape)
+    mean = x.mean(dims, keepdim=True)
+    # Two-pass variance: centring first avoids the E[x^2] - E[x]^2 cancellation.
+    var = (x - mean).square().mean(dims, keepdim=True)
+    return mean, torch.rsqrt(var + eps)
+
+
+def rms_norm_rstd(x: Tensor, normalized_shape: Sequence[int], eps: float | None) -> Tensor:
+    """rsqrt(mean(x^2) + eps) of each row of x (already in the accumulation dtype), kept as size-1 dims."""
+    eps = default_rms_eps(x.dtype) if eps is None else eps
+    return torch.rsqrt(x.square().mean(_normalized_dims(x, normalized_shape), keepdim=True) + eps)
+
+
 def layer_norm(
     input: Tensor,
     normalized_shape: Sequence[int],
@@ -29,12 +44,9 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> Tensor:
     """(x - mean) * rstd * weight + bias, statistics in float32 (float64 for float64 input)."""
-    dims = _normalized_dims(input, normalized_shape)
     x = input.to(accumulation_dtype(input.dtype))
-    mean = x.mean(dims, keepdim=True)
-    # Two-pass variance: centring first avoids the E[x^2] - E[x]^2 cancellation.
-    var = (x - mean).square().mean(dims, keepdim=True)
-    y = (x - mean) * torch.rsqrt(var + eps)
+    mean, rstd = layer_norm_statistics(x, normalized_shape, eps)
+    y = (x - mean) * rstd
     if weight is not None:
         y = y * weight.to(y.dtype)
     if bias is not None:
@@ -52,12 +64,82 @@ def rms_norm(
     normalized_shape: Sequence[int],
     weight: Tensor | None = None,
     eps: float | None = None,
+    weight_offset: float = 0.0,
+    round_normalized: bool = False,
 ) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, in float32 (float64 for float64 input)."""
-    dims = _normalized_dims(input, normalized_shape)
+    """x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), in float32 (float64 for float64 input).
+
+    ``round_normalized``: the normalized value is rounded to the input's dtype before the weight multiply.
+    """
     x = input.to(accumulation_dtype(input.dtype))
-    eps = default_rms_eps(input.dtype) if eps is None else eps
-    y = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+    return apply_weight(input, x * rms_norm_rstd(x, normalized_shape, eps), weight, weight_offset, round_normalized)
+
+
+def apply_weight(
+    input: Tensor, normalized: Tensor, weight: Tensor | None, weight_offset: float = 0.0, round_normalized: bool = False
+) -> Tensor:
+    """The output from the normalized input (in the accumulation dtype), rounded as the kernels do: optionally to
+    the input's dtype before the product with (weight + weight_offset), and to the input's dtype at the end."""
+    y = normalized.to(input.dtype).to(normalized.dtype) if round_normalized else normalized
     if weight is not None:
-        y = y * weight.to(y.dtype)
+        y = y * (weight.to(y.dtype) + weight_offset)
     return y.to(input.dtype)
+
+
+# Derivatives, in torch ops so that they are differentiable again (double backward, hessians, torch.func).
+
+
+def normalize(input: Tensor, normalized_shape: Sequence[int], eps: float | None, centred: bool) -> tuple:
+    """(xhat, mean, rstd) in the accumulation dtype: xhat = (x - mean) * rstd, or x * rstd (RMSNorm: mean None)."""
+    x = input.to(accumulation_dtype(input.dtype))
+    if centred:
+        mean, rstd = layer_norm_statistics(x, normalized_shape, eps)
+        return (x - mean) * rstd, mean, rstd
+    rstd = rms_norm_rstd(x, normalized_shape, eps)
+    return x * rstd, None, rstd
+
+
+def normalization_jvp(xhat: Tensor, rstd: Tensor, tangent: Tensor, normalized_ndim: int, centred: bool) -> tuple:
+    """(d xhat, d mean, d rstd) for a tangent of x (d mean is None uncentred), with c = mean(xhat * t_c) per row:
+    d xhat = rstd * (t_c - xhat * c), d rstd = -rstd^2 * c, d mean = mean(t), t_c = t - d mean.
+
+    t -> d xhat is a symmetric matrix per row, so the same map takes an output gradient to the input gradient.
+    """
+    dims = list(range(xhat.dim() - normalized_ndim, xhat.dim()))
+    t = tangent.to(xhat.dtype)
+    dmean = t.mean(dims, keepdim=True) if centred else None
+    if centred:
+        t = t - dmean
+    c = (xhat * t).mean(dims, keepdim=True)
+    return rstd * (t - xhat * c), dmean, -rstd.square() * c
+
+
+def affine_grads(grad_out: Tensor, xhat: Tensor, params: Sequence, normalized_ndim: int, first_row_dim: int = 0):
+    """Gradients of (weight, bias) in y = xhat * weight + bias, summed over the row dims from first_row_dim on
+    (under vmap dim 0 is the sample, kept); None for an absent parameter."""
+    g = grad_out.to(xhat.dtype)
+    rows = list(range(first_row_dim, g.dim() - normalized_ndim))
+    grads = []
+    for param, factor in zip(params, (lambda: g * xhat, lambda: g)):
+        product = factor() if param is not None else None
+        grads.append(None if product is None else (product.sum(rows) if rows else product).to(param.dtype))
+    return grads
+
+
+def norm_backward(grad_out, input, normalized_shape, weight, bias, eps, centred: bool) -> tuple:
+    """(dinput, dweight, dbias) of layer_norm (centred) or rms_norm (bias None), statistics recomputed from input."""
+    xhat, _, rstd = normalize(input, normalized_shape, eps, centred)
+    g = grad_out.to(xhat.dtype)
+    scaled = g * weight.to(g.dtype) if weight is not None else g
+    dinput = normalization_jvp(xhat, rstd, scaled, len(normalized_shape), centred)[0].to(input.dtype)
+    return (dinput, *affine_grads(g, xhat, (weight, bias), len(normalized_shape)))
+
+
+def add_norm(
+    norm, x: Tensor, residual: Tensor, *args, residual_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The composite that torch_ln.add_layer_norm/add_rms_norm fuse: residual_out = x + residual in
+    residual_dtype (default x's), then y = norm(residual_out, *args) in x's dtype."""
+    dtype = residual_dtype or x.dtype
+    residual_out = x.to(dtype) + residual.to(dtype)
+    return norm(residual_out, *args).to(x.dtype), residual_out

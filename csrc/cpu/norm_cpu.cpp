@@ -242,6 +242,7 @@ struct NormCpu {
   using T = typename Types::input_t;
   using W = typename Types::param_t;
   using A = typename Types::acc_t;
+  using R = typename Types::row_t;  // the normalized rows: x's type, or after a residual add, residual_out's
   using VA = Vectorized<A>;
   static constexpr bool kCentered = K == NormKind::LayerNorm;  // RMSNorm: mean fixed at 0
 
@@ -262,8 +263,20 @@ struct NormCpu {
 
   // A parameter as a contiguous acc_t tensor (itself when it already is one), so that the row loops never convert
   // it: once per call rather than once per row. Undefined stays undefined.
-  static at::Tensor as_acc(const at::Tensor& param) {
-    return param.defined() ? param.to(c10::CppTypeToScalarType<A>::value).contiguous() : param;
+  static at::Tensor as_acc(const at::Tensor& param, double offset = 0) {
+    if (!param.defined()) return param;
+    const at::Tensor converted = param.to(c10::CppTypeToScalarType<A>::value).contiguous();
+    return offset == 0 ? converted : converted.add(offset);  // the offset added in acc_t, as Gemma adds its 1
+  }
+
+  // v rounded to the input dtype and back (the identity when that is acc_t): Llama-style rounding.
+  static Group<A> round_to_input(Group<A> v) {
+    if constexpr (!std::is_same_v<T, A>) {
+      T rounded[kStep<A>];
+      store_group<A>(rounded, v, kStep<A>);
+      v = load_group<A>(rounded, kStep<A>);
+    }
+    return v;
   }
 
   // g = dy * w (dy without weight).
@@ -279,49 +292,104 @@ struct NormCpu {
   // ---- forward ----
 
   static void forward(const ForwardArgs& a) {
-    with_flag(a.weight.defined(), [&](auto has_w) {
-      if constexpr (kCentered) {
-        with_flag(a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b>(a); });
-      } else {
-        forward_rows<has_w, false>(a);
-      }
-    });
+    const auto with_residual = [&](auto has_res) {
+      with_flag(a.weight.defined(), [&](auto has_w) {
+        if constexpr (kCentered) {
+          with_flag(a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b, has_res>(a); });
+        } else {
+          forward_rows<has_w, false, has_res>(a);
+        }
+      });
+    };
+    if constexpr (std::is_same_v<R, T>) {
+      with_flag(a.residual.defined(), with_residual);
+    } else {  // a row type of its own only comes with a residual
+      with_residual(std::true_type{});
+    }
   }
 
-  template <bool HasW, bool HasB>
+  // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R. Every pass recomputes h
+  // from x and residual (still in cache after the first), so that h is only written, with y, by the last pass:
+  // streamed like y, it never displaces the inputs from the cache nor is read back from memory.
+  template <bool HasRes>
+  struct InputRow {
+    const T* x;
+    const R* residual;
+    R* h;
+
+    // Elements [j, j + c) (c <= kStep) of the normalized row as acc_t.
+    Group<A> load(int64_t j, int64_t c) const {
+      Group<A> v = load_group<A>(x + j, c);
+      if constexpr (HasRes) {
+        const Group<A> r = load_group<A>(residual + j, c);
+        for (const auto i : c10::irange(kU)) v[i] = v[i] + r[i];
+        if constexpr (!std::is_same_v<R, A>) {  // rounded to R, as torch's add does
+          for (int i = 0; i < kU; i += 2) {
+            std::tie(v[i], v[i + 1]) = at::vec::convert_to_float<R>(at::vec::convert_from_float<R>(v[i], v[i + 1]));
+          }
+        }
+      }
+      return v;
+    }
+
+    // The first element, as load gives it.
+    A front() const {
+      if constexpr (HasRes) {
+        return static_cast<A>(static_cast<R>(static_cast<A>(x[0]) + static_cast<A>(residual[0])));
+      } else {
+        return static_cast<A>(x[0]);
+      }
+    }
+  };
+
+  template <bool HasW, bool HasB, bool HasRes>
   static void forward_rows(const ForwardArgs& a) {
     const int64_t D = a.cols;
     const T* x = a.x.const_data_ptr<T>();
+    const R* residual = HasRes ? a.residual.const_data_ptr<R>() : nullptr;
+    R* h = HasRes ? a.residual_out.mutable_data_ptr<R>() : nullptr;
     T* y = a.y.mutable_data_ptr<T>();
-    const at::Tensor weight = as_acc(a.weight), bias = as_acc(a.bias);
+    const at::Tensor weight = as_acc(a.weight, a.rounding.weight_offset), bias = as_acc(a.bias);
     const A* w = HasW ? weight.const_data_ptr<A>() : nullptr;
     const A* b = HasB ? bias.const_data_ptr<A>() : nullptr;
     A* mean = kCentered ? a.mean.mutable_data_ptr<A>() : nullptr;
     A* rstd = a.rstd.mutable_data_ptr<A>();
     const A eps = static_cast<A>(a.eps);
-    const bool streaming = use_streaming_stores(a.y.nbytes());
+    const bool streaming = use_streaming_stores(a.y.nbytes()), round = a.rounding.round_normalized;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
       for (const auto r : c10::irange(begin, end)) {
-        forward_row<HasW, HasB>(x + r * D, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming);
+        const InputRow<HasRes> in{x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr};
+        forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming, round);
       }
       finish_streaming(streaming);
     });
   }
 
-  // The mean and the sum of squared deviations of a row in one read of it (the normalizing pass is the second):
-  // Welford's update in every lane (each lane sees one element per step, so all lanes share the count and 1/n),
-  // then the lanes' (mean, M2) merged pairwise in a fixed order (Chan et al.), then the tail elements one by one.
-  // Deviations are always taken from a running mean: no E[x^2] - E[x]^2 cancellation. The values are shifted by
-  // the row's first element so that the running means stay small: their rounding is then far below an ulp of a
-  // large row mean, and the only rounding of that size is the final shift back.
-  TORCH_LN_FLATTEN static std::pair<A, A> row_moments(const T* x, int64_t D) {
-    const int64_t steps = D / kStep<A>;
-    const A shift = static_cast<A>(x[0]);
+  // Per-lane (mean, M2) of `steps` whole steps of the row from element j0, the values shifted by `shift`: each lane
+  // sees one element per step, so all lanes share the count. Up to kLeafSteps steps by Welford's update; longer runs
+  // in halves merged with Chan's formula, so the rounding error grows with log(D), not with D (a running mean over
+  // D/32 elements drifts by about an ulp per hundred steps: 10 ulps of rstd at D = 2^20 before this was cascaded).
+  template <bool HasRes>
+  TORCH_LN_FLATTEN static std::pair<Group<A>, Group<A>> lane_moments(const InputRow<HasRes>& in, int64_t j0,
+                                                                     int64_t steps, A shift) {
     Group<A> m, q;
+    if (steps > kLeafSteps) {
+      const int64_t half = steps / 2;
+      std::tie(m, q) = lane_moments(in, j0, half, shift);
+      const auto [m_rest, q_rest] = lane_moments(in, j0 + half * kStep<A>, steps - half, shift);
+      const A n = static_cast<A>(steps), rest_share = static_cast<A>(steps - half) / n;
+      const VA cross(static_cast<A>(half) * rest_share);  // half * rest / n
+      for (const auto i : c10::irange(kU)) {
+        const VA delta = m_rest[i] - m[i];
+        m[i] = at::vec::fmadd(delta, VA(rest_share), m[i]);
+        q[i] = at::vec::fmadd(delta * delta, cross, q[i] + q_rest[i]);
+      }
+      return {m, q};
+    }
     m.fill(VA(A(0)));
     q.fill(VA(A(0)));
     for (const auto k : c10::irange(steps)) {
-      Group<A> v = load_group<A>(x + k * kStep<A>, kStep<A>);
+      Group<A> v = in.load(j0 + k * kStep<A>, kStep<A>);
       const VA inv_count(A(1) / static_cast<A>(k + 1));
       for (const auto i : c10::irange(kU)) {
         v[i] = v[i] - VA(shift);
@@ -330,6 +398,19 @@ struct NormCpu {
         q[i] = at::vec::fmadd(delta, v[i] - m[i], q[i]);
       }
     }
+    return {m, q};
+  }
+
+  // The mean and the sum of squared deviations of a row in one read of it (the normalizing pass is the second):
+  // per-lane moments (lane_moments), then the lanes merged pairwise in a fixed order (Chan et al.), then the tail
+  // elements one by one. Deviations are always taken from a running mean: no E[x^2] - E[x]^2 cancellation. The
+  // values are shifted by the row's first element so that the running means stay small: their rounding is then far
+  // below an ulp of a large row mean, and the only rounding of that size is the final shift back.
+  template <bool HasRes>
+  static std::pair<A, A> row_moments(const InputRow<HasRes>& in, int64_t D) {
+    const int64_t steps = D / kStep<A>;
+    const A shift = in.front();
+    const auto [m, q] = lane_moments(in, 0, steps, shift);
     constexpr int64_t V = VA::size();
     A lane_mean[kStep<A>], lane_m2[kStep<A>];
     for (const auto i : c10::irange(kU)) {
@@ -347,26 +428,35 @@ struct NormCpu {
     }
     A mean = steps > 0 ? lane_mean[0] : A(0), m2 = steps > 0 ? lane_m2[0] : A(0);
     int64_t n = steps * kStep<A>;
-    for (const auto j : c10::irange(n, D)) {
-      const A v = static_cast<A>(x[j]) - shift;
-      const A delta = v - mean;
-      mean += delta / static_cast<A>(++n);
-      m2 += delta * (v - mean);
+    if (n < D) {
+      A tail[kStep<A>];
+      const Group<A> t = in.load(n, D - n);
+      for (const auto i : c10::irange(kU)) t[i].store(tail + i * VA::size());
+      for (const auto j : c10::irange(n, D)) {
+        const A v = tail[j - steps * kStep<A>] - shift;
+        const A delta = v - mean;
+        mean += delta / static_cast<A>(++n);
+        m2 += delta * (v - mean);
+      }
     }
     return {shift + mean, m2};
   }
 
-  template <bool HasW, bool HasB>
-  TORCH_LN_FLATTEN static void forward_row(const T* x, T* y, const A* w, const A* b, int64_t D, A eps, A* mean_out,
-                                           A& rstd_out, bool streaming) {
-    // The first pass over a row reads x; the later ones read `row`: x itself, or for half/bfloat16 rows,
-    // `converted`, which the first pass fills, so that each element is converted to acc_t once.
-    constexpr bool kConvertOnce = !std::is_same_v<T, A>;
+  template <bool HasW, bool HasB, bool HasRes>
+  TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes>& in, T* y, const A* w, const A* b, int64_t D, A eps,
+                                           A* mean_out, A& rstd_out, bool streaming, bool round) {
+    // The first pass over a row reads it through `in`; the later ones through `reload`: `in` again, or for
+    // half/bfloat16 rows of up to kTwoPassRowBytes, `converted`, which the first pass fills, so that each element is
+    // converted to acc_t once.
+    constexpr bool kConvertOnce = !std::is_same_v<R, A>;
     alignas(64) A converted[kConvertOnce ? kTwoPassRowBytes / sizeof(A) : 1];
-    const auto normalize_reading = [&](const auto* row) {
+    const auto load = [&](int64_t j, int64_t c) { return in.load(j, c); };
+    const auto normalize_reading = [&](const auto& reload, bool fill_converted) {
       const auto first_pass = [&](int64_t j, int64_t c) {
-        const Group<A> v = load_group<A>(x + j, c);
-        if constexpr (!std::is_same_v<decltype(row), const T*>) store_group<A>(converted + j, v, c);
+        const Group<A> v = in.load(j, c);
+        if constexpr (kConvertOnce) {
+          if (fill_converted) store_group<A>(converted + j, v, c);
+        }
         return v;
       };
       A mean = 0, sum_sq = 0;
@@ -374,7 +464,7 @@ struct NormCpu {
         mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{first_pass(j, c)}; })[0] / D;
         // Two-pass variance over a row still in L1, centered on the mean: no E[x^2] - E[x]^2 cancellation.
         sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
-          Group<A> v = load_group<A>(row + j, c);
+          Group<A> v = reload(j, c);
           for (auto& e : v) {
             const VA d = e - VA(mean);
             e = d * d;
@@ -388,33 +478,36 @@ struct NormCpu {
           return Sums<A, 1>{v};
         })[0];
       }
-      write_row<HasW, HasB>(row, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+      write_row<HasW, HasB>(reload, in.h, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
-        const auto [mean, sum_sq] = row_moments(x, D);
-        write_row<HasW, HasB>(x, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming);
+        const auto [mean, sum_sq] = row_moments(in, D);
+        write_row<HasW, HasB>(load, in.h, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
         return;
       }
-      normalize_reading(x);  // RMSNorm: one statistics pass at any length
+      normalize_reading(load, false);  // RMSNorm: one statistics pass at any length
     } else if constexpr (kConvertOnce) {
-      normalize_reading(static_cast<const A*>(converted));
+      normalize_reading([&](int64_t j, int64_t c) { return load_group<A>(converted + j, c); }, true);
     } else {
-      normalize_reading(x);
+      normalize_reading(load, false);
     }
   }
 
-  // Stores the statistics and writes y = normalized row * w + b; `row` is x's row, as T or already as acc_t.
-  template <bool HasW, bool HasB, typename S>
-  static void write_row(const S* row, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
-                        A& rstd_out, bool streaming) {
+  // Stores the statistics and writes y = normalized row * w + b, and the row itself to h unless h is null; `load`
+  // gives the row as acc_t. `round`: the normalized row is rounded to T before the weight multiply.
+  template <bool HasW, bool HasB, typename Load>
+  static void write_row(const Load& load, R* h, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq,
+                        A* mean_out, A& rstd_out, bool streaming, bool round) {
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
     if constexpr (kCentered) *mean_out = mean;
     rstd_out = rstd;
     for_each_step<A>(
         D,
         [&](int64_t j, int64_t c) {
-          Group<A> v = normalize(load_group<A>(row + j, c), mean, rstd);
+          const Group<A> row = load(j, c);
+          if (h != nullptr) store_output<A>(h + j, row, c, streaming);
+          Group<A> v = normalize(row, mean, rstd);
           if constexpr (HasW && HasB) {  // one rounding: xhat * w + b fused
             const Group<A> wv = load_group<A>(w + j, c), bv = load_group<A>(b + j, c);
             for (const auto i : c10::irange(kU)) v[i] = at::vec::fmadd(v[i], wv[i], bv[i]);
@@ -422,7 +515,7 @@ struct NormCpu {
             const Group<A> bv = load_group<A>(b + j, c);
             for (const auto i : c10::irange(kU)) v[i] = v[i] + bv[i];
           } else {
-            v = times_weight<HasW>(v, w + j, c);
+            v = times_weight<HasW>(round ? round_to_input(v) : v, w + j, c);
           }
           store_output<A>(y + j, v, c, streaming);
         },
@@ -451,7 +544,7 @@ struct NormCpu {
 
   template <bool HasW, bool WantDx>
   static void backward_rows(const BackwardArgs& a) {
-    const Rows rows{a, as_acc(a.weight)};
+    const Rows rows{a, as_acc(a.weight, a.rounding.weight_offset)};
     if (a.rows < kMinRowsForChunks) {
       backward_by_columns<HasW, WantDx>(a, rows);
     } else {
@@ -464,20 +557,39 @@ struct NormCpu {
     Rows(const BackwardArgs& a, at::Tensor weight_acc)
         : D(a.cols),
           dy(a.dy.const_data_ptr<T>()),
-          x(a.x.const_data_ptr<T>()),
-          dx(a.dx.defined() ? a.dx.mutable_data_ptr<T>() : nullptr),
+          x(a.x.const_data_ptr<R>()),
+          dx(a.dx.defined() ? a.dx.mutable_data_ptr<R>() : nullptr),
+          grad_residual_out(a.grad_residual_out.defined() ? a.grad_residual_out.const_data_ptr<R>() : nullptr),
           weight(std::move(weight_acc)),
           w(weight.defined() ? weight.const_data_ptr<A>() : nullptr),
           mean(kCentered ? a.mean.const_data_ptr<A>() : nullptr),
           rstd(a.rstd.const_data_ptr<A>()),
-          streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())) {}
+          streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())),
+          round(a.rounding.round_normalized) {}
     int64_t D;
-    const T *dy, *x;
-    T* dx;
-    at::Tensor weight;  // acc_t
+    const T* dy;
+    const R* x;
+    R* dx;
+    const R* grad_residual_out;  // added to dx; null when there is none
+    at::Tensor weight;           // acc_t
     const A* w;
     const A *mean, *rstd;
     bool streaming;
+    bool round;  // Llama-style rounding (RoundingOptions::round_normalized)
+
+    // g = dy * w, rounded to T under Llama-style rounding (autograd's dtype cast passes the gradient on in T).
+    template <bool HasW>
+    Group<A> weighted(const Group<A>& dy, int64_t j, int64_t c) const {
+      const Group<A> g = times_weight<HasW>(dy, w + j, c);
+      return round ? round_to_input(g) : g;
+    }
+
+    // The dweight term dy * xhat; under Llama-style rounding, the rounded xhat and the product rounded to T.
+    Group<A> weight_term(const Group<A>& dy, Group<A> xhat) const {
+      if (round) xhat = round_to_input(xhat);
+      for (const auto i : c10::irange(kU)) xhat[i] = dy[i] * xhat[i];
+      return round ? round_to_input(xhat) : xhat;
+    }
 
     A mean_of(int64_t r) const { return kCentered ? mean[r] : A(0); }
   };
@@ -558,10 +670,11 @@ struct NormCpu {
       return {A(0), A(0)};
     } else {
       const int64_t D = rows.D;
-      const T *dy = rows.dy + r * D, *x = rows.x + r * D;
+      const T* dy = rows.dy + r * D;
+      const R* x = rows.x + r * D;
       const A mean = rows.mean_of(r);
       const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
-        Sums<A, 2> t{times_weight<HasW>(load_group<A>(dy + j, c), rows.w + j, c), load_group<A>(x + j, c)};
+        Sums<A, 2> t{rows.template weighted<HasW>(load_group<A>(dy + j, c), j, c), load_group<A>(x + j, c)};
         for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
         return t;
       });
@@ -569,16 +682,18 @@ struct NormCpu {
     }
   }
 
-  // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, and the row's
+  // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ grad_residual_out) with
+  // g = dy * w, and the row's
   // dweight (dy * xhat) and dbias (dy) terms added to dw_sum / db_sum (null when not wanted; indexed from j0), which
   // the first row initializes.
   template <bool HasW, bool WantDx>
   TORCH_LN_FLATTEN static void backward_columns(const Rows& rows, int64_t r, int64_t j0, int64_t n, A g_mean, A gx_mean,
                                                 A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
     const int64_t D = rows.D;
-    const T *dy = rows.dy + r * D + j0, *x = rows.x + r * D + j0;
-    T* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
-    const A* w = rows.w + j0;
+    const T* dy = rows.dy + r * D + j0;
+    const R* x = rows.x + r * D + j0;
+    R* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
+    const R* extra = WantDx && rows.grad_residual_out != nullptr ? rows.grad_residual_out + r * D + j0 : nullptr;
     const A mean = rows.mean_of(r), rstd = rows.rstd[r];
     for_each_step<A>(
         n,
@@ -590,13 +705,20 @@ struct NormCpu {
           const Group<A> dyv = load_group<A>(dy + j, c);
           const Group<A> xhat = normalize(load_group<A>(x + j, c), mean, rstd);
           if constexpr (WantDx) {
-            Group<A> g = times_weight<HasW>(dyv, w + j, c);
+            Group<A> g = rows.template weighted<HasW>(dyv, j0 + j, c);
             for (const auto i : c10::irange(kU)) {
               g[i] = at::vec::fmadd(xhat[i], VA(-gx_mean), g[i] - VA(g_mean)) * VA(rstd);
             }
+            if (extra != nullptr) {
+              const Group<A> e = load_group<A>(extra + j, c);
+              for (const auto i : c10::irange(kU)) g[i] = g[i] + e[i];
+            }
             store_output<A>(dx + j, g, c, rows.streaming);
           }
-          if (dw_sum != nullptr) accumulate(dw_sum + j, c, first, [&](int i) { return dyv[i] * xhat[i]; });
+          if (dw_sum != nullptr) {
+            const Group<A> term = rows.weight_term(dyv, xhat);
+            accumulate(dw_sum + j, c, first, [&](int i) { return term[i]; });
+          }
           if (db_sum != nullptr) accumulate(db_sum + j, c, first, [&](int i) { return dyv[i]; });
         },
         rows.streaming ? elements_to_alignment(dx) : 0);
@@ -659,15 +781,20 @@ void dispatch_kind(NormKind kind, const F& f) {
 
 void cpu_norm_forward(NormKind kind, const ForwardArgs& a) {
   check_cpu_support();
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto types) {
-    dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::forward(a); });
+  const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
+  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto input_types) {
+    dispatch_row_dtype(input_types, rows, [&](auto types) {
+      dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::forward(a); });
+    });
   });
 }
 
 void cpu_norm_backward(NormKind kind, const BackwardArgs& a) {
   check_cpu_support();
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.dbias), [&](auto types) {
-    dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::backward(a); });
+  dispatch_norm_dtypes(a.dy.scalar_type(), parameter_dtype(a.dy, a.weight, a.dbias), [&](auto input_types) {
+    dispatch_row_dtype(input_types, a.x.scalar_type(), [&](auto types) {
+      dispatch_kind(kind, [&](auto k) { NormCpu<decltype(k)::value, decltype(types)>::backward(a); });
+    });
   });
 }
 

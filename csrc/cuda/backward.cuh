@@ -11,36 +11,46 @@
 #include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
+#include "rounding.cuh"
 
 namespace torch_ln {
 
-template <typename T, typename W, typename acc_t>
+// R: the element type of x and dx, T's or, after a residual add, residual_out's.
+template <typename T, typename W, typename acc_t, typename R = T>
 struct BackwardParams {
   const T* dy;
-  const T* x;
+  const R* x;
   const acc_t* mean;  // nullptr for RMSNorm
   const acc_t* rstd;
   const W* weight;         // nullptr: no weight
-  T* dx;                   // nullptr: dx not requested
+  R* dx;                   // nullptr: dx not requested
   acc_t* partial_dweight;  // [slots, cols], or nullptr when not requested
   acc_t* partial_dbias;    // [slots, cols], or nullptr when not requested
   int64_t rows, cols;
   int threads_per_row;
+  const R* grad_residual_out;  // added to dx; nullptr when there is none
+  DeviceRounding<acc_t> rounding;
 };
+
+// g = dy * weight (dy without weight), rounded to the input dtype under Llama-style rounding.
+template <typename T, typename Params, typename acc_t>
+TLN_DEVICE acc_t weighted_grad(const Params& p, acc_t dy, acc_t w) {
+  return p.rounding.template to_input<T>(p.weight != nullptr ? dev::mul_rn(dy, p.rounding.weight(w)) : dy);
+}
 
 // xhat and g for one vector at element offset i of `row`; adds this vector's
 // terms to the row sums of g and g * xhat.
-template <int VEC, typename T, typename W, typename acc_t>
-TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, acc_t mean, acc_t rstd,
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t mean, acc_t rstd,
                                 acc_t (&xhat)[VEC], acc_t (&dy)[VEC], acc_t& sum_g, acc_t& sum_g_xhat) {
-  acc_t w[VEC];
+  acc_t w[VEC] = {};  // read by weighted_grad even without a weight (then unused)
   load_vec<VEC>(p.x + row * p.cols, i, xhat);
   load_vec<VEC>(p.dy + row * p.cols, i, dy);
   if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
     xhat[j] = (xhat[j] - mean) * rstd;
-    const acc_t g = p.weight != nullptr ? dev::mul_rn(dy[j], w[j]) : dy[j];
+    const acc_t g = weighted_grad<T>(p, dy[j], w[j]);
     sum_g += g;
     sum_g_xhat += g * xhat[j];
   }
@@ -48,16 +58,19 @@ TLN_DEVICE void load_xhat_and_g(const BackwardParams<T, W, acc_t>& p, int64_t ro
 
 // dx for one vector, from the row's reduced sums (already divided by D). g is
 // rounded exactly as in load_xhat_and_g (mul_rn), so with D = 1 dx is exactly 0.
-template <NormKind KIND, int VEC, typename T, typename W, typename acc_t>
-TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int64_t i, const acc_t (&xhat)[VEC],
+// With a residual add, grad_residual_out is added to dx.
+template <NormKind KIND, int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, const acc_t (&xhat)[VEC],
                          const acc_t (&dy)[VEC], acc_t rstd, acc_t mean_g, acc_t mean_g_xhat) {
-  acc_t w[VEC], dx[VEC];
+  acc_t w[VEC] = {}, dx[VEC], extra[VEC];
   if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
+  if (p.grad_residual_out != nullptr) load_vec<VEC>(p.grad_residual_out + row * p.cols, i, extra);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    const acc_t g = p.weight != nullptr ? dev::mul_rn(dy[j], w[j]) : dy[j];
+    const acc_t g = weighted_grad<T>(p, dy[j], w[j]);
     const acc_t centred = KIND == NormKind::LayerNorm ? g - mean_g : g;
     dx[j] = rstd * (centred - xhat[j] * mean_g_xhat);
+    if (p.grad_residual_out != nullptr) dx[j] += extra[j];
   }
   store_vec<VEC>(p.dx + row * p.cols, i, dx);
 }
@@ -65,8 +78,8 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t>& p, int64_t row, int6
 // Rows held in registers, laid out as in the forward. Each row-slot (a row's
 // worth of threads) walks rows slot, slot + slots, ... and keeps its share of the
 // weight/bias gradient sums in registers, written once at the end.
-template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_kernel(BackwardParams<T, W, acc_t> p) {
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_kernel(BackwardParams<T, W, acc_t, R> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;
@@ -86,7 +99,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
         load_xhat_and_g(p, row, c * VEC, mean, rstd, xhat[k], dy[k], sum_g, sum_g_xhat);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          dweight[k][j] += dy[k][j] * xhat[k][j];
+          dweight[k][j] += p.rounding.template weight_term<T>(dy[k][j], xhat[k][j]);
           dbias[k][j] += dy[k][j];
         }
       }
@@ -125,9 +138,9 @@ TLN_DEVICE void accumulate_partial(acc_t* partial, int64_t i, const acc_t (&v)[V
 // Rows too long for registers: a block per row-slot, two passes over each row
 // (the sums, then dx and the gradient terms added to the slot's zero-initialized
 // partial rows).
-template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
-    norm_backward_multipass_kernel(BackwardParams<T, W, acc_t> p) {
+    norm_backward_multipass_kernel(BackwardParams<T, W, acc_t, R> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;
@@ -148,7 +161,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
       if (p.dx != nullptr) store_dx<KIND>(p, row, c * VEC, xhat, dy, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
       acc_t dy_xhat[VEC];
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) dy_xhat[j] = dy[j] * xhat[j];
+      for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
       if (p.partial_dweight != nullptr) accumulate_partial(p.partial_dweight + slot * p.cols, c * VEC, dy_xhat);
       if (p.partial_dbias != nullptr) accumulate_partial(p.partial_dbias + slot * p.cols, c * VEC, dy);
     }
@@ -156,15 +169,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
 }
 
 // The backward's kernels by register tier, for launch_rows.
-template <typename T, typename W, typename acc_t>
+template <typename T, typename W, typename acc_t, typename R>
 struct BackwardKernels {
   static constexpr RegisterBudget budget = for_accumulator(kBackwardBudget, sizeof(acc_t));
   template <NormKind K, int VEC, int ITEMS>
   static constexpr auto get() {
     if constexpr (ITEMS == 0) {
-      return &norm_backward_multipass_kernel<T, W, acc_t, K, VEC>;
+      return &norm_backward_multipass_kernel<T, W, acc_t, R, K, VEC>;
     } else {
-      return &norm_backward_kernel<T, W, acc_t, K, VEC, ITEMS>;
+      return &norm_backward_kernel<T, W, acc_t, R, K, VEC, ITEMS>;
     }
   }
 };

@@ -5,10 +5,12 @@
 #include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
+#include "rounding.cuh"
 
 namespace torch_ln {
 
-template <typename T, typename W, typename acc_t>
+// R: the element type of the normalized rows, T's or, after a residual add, residual_out's.
+template <typename T, typename W, typename acc_t, typename R = T>
 struct ForwardParams {
   const T* x;
   const W* weight;  // nullptr: no weight
@@ -19,7 +21,33 @@ struct ForwardParams {
   int64_t rows, cols;
   acc_t eps;
   int threads_per_row;
+  const R* residual;  // nullptr: no residual add; otherwise the norm is of residual_out = x + residual
+  R* residual_out;
+  DeviceRounding<acc_t> rounding;
 };
+
+// The first read of one vector of a row (element offset i): x, or x + residual rounded to R (as torch's add
+// rounds), which is also stored to residual_out for the later passes.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
+  load_vec<VEC>(p.x + row * p.cols, i, v);
+  if (p.residual == nullptr) return;
+  acc_t r[VEC];
+  load_vec<VEC>(p.residual + row * p.cols, i, r);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(static_cast<R>(v[j] + r[j]));
+  store_vec<VEC>(p.residual_out + row * p.cols, i, v);
+}
+
+// A later read of one vector of the row load_input read: x, or residual_out (the same thread wrote it).
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_stored(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
+  if (p.residual == nullptr) {
+    load_vec<VEC>(p.x + row * p.cols, i, v);
+  } else {
+    load_vec<VEC>(p.residual_out + row * p.cols, i, v);
+  }
+}
 
 // rstd from a row's sum of squared deviations.
 template <typename acc_t>
@@ -45,16 +73,16 @@ TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
 }
 
 // Normalizes one vector of a row (element offset i) and stores it to y.
-template <int VEC, typename T, typename W, typename acc_t>
-TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t row, int64_t i, const acc_t (&v)[VEC],
-                                    acc_t mean, acc_t rstd) {
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i,
+                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd) {
   acc_t out[VEC], w[VEC], b[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;
   if (p.weight != nullptr) {
     load_vec<VEC>(p.weight, i, w);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) out[j] *= w[j];
+    for (int j = 0; j < VEC; ++j) out[j] = p.rounding.template to_input<T>(out[j]) * p.rounding.weight(w[j]);
   }
   if (p.bias != nullptr) {
     load_vec<VEC>(p.bias, i, b);
@@ -66,8 +94,8 @@ TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t>& p, int64_t
 
 // Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
 // RowLayout), read from global memory once.
-template <typename T, typename W, typename acc_t, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t> p) {
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
@@ -80,7 +108,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     for (int k = 0; k < ITEMS; ++k) {
       const int64_t c = layout.vector(k);
       if (active && c < nvec) {
-        load_vec<VEC>(p.x + row * p.cols, c * VEC, v[k]);
+        load_input(p, row, c * VEC, v[k]);
         sum += vector_sum(v[k]);
       }
     }
@@ -108,27 +136,30 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
 
 // Rows too long for registers: a block per row, three passes over the row
 // (sum, squared deviations, normalize); the later passes mostly hit L2.
-template <typename T, typename W, typename acc_t, NormKind KIND, int VEC>
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
-    norm_forward_multipass_kernel(ForwardParams<T, W, acc_t> p) {
+    norm_forward_multipass_kernel(ForwardParams<T, W, acc_t, R> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;
   for (int64_t row = dev::block_x(); row < p.rows; row += dev::grid_dim_x()) {
-    const T* x = p.x + row * p.cols;
     acc_t v[VEC];
     acc_t mean = acc_t(0);
     if (KIND == NormKind::LayerNorm) {
       acc_t sum = acc_t(0);
       for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
-        load_vec<VEC>(x, c * VEC, v);
+        load_input(p, row, c * VEC, v);
         sum += vector_sum(v);
       }
       mean = row_sum(sum, threads, smem) / static_cast<acc_t>(p.cols);
     }
     acc_t squares = acc_t(0);
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
-      load_vec<VEC>(x, c * VEC, v);
+      if (KIND == NormKind::LayerNorm) {
+        load_stored(p, row, c * VEC, v);
+      } else {  // RMSNorm's first pass
+        load_input(p, row, c * VEC, v);
+      }
       squares += squared_deviations(v, mean);
     }
     const acc_t rstd = rstd_from(row_sum(squares, threads, smem), p.cols, p.eps);
@@ -137,22 +168,22 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
       dev::store_global(&p.rstd[row], rstd);
     }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
-      load_vec<VEC>(x, c * VEC, v);
+      load_stored(p, row, c * VEC, v);
       normalize_and_store(p, row, c * VEC, v, mean, rstd);
     }
   }
 }
 
 // The forward's kernels by register tier, for launch_rows.
-template <typename T, typename W, typename acc_t>
+template <typename T, typename W, typename acc_t, typename R>
 struct ForwardKernels {
   static constexpr RegisterBudget budget = for_accumulator(kForwardBudget, sizeof(acc_t));
   template <NormKind K, int VEC, int ITEMS>
   static constexpr auto get() {
     if constexpr (ITEMS == 0) {
-      return &norm_forward_multipass_kernel<T, W, acc_t, K, VEC>;
+      return &norm_forward_multipass_kernel<T, W, acc_t, R, K, VEC>;
     } else {
-      return &norm_forward_kernel<T, W, acc_t, K, VEC, ITEMS>;
+      return &norm_forward_kernel<T, W, acc_t, R, K, VEC, ITEMS>;
     }
   }
 };

@@ -11,25 +11,33 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   using T = typename Types::input_t;
   using W = typename Types::param_t;
   using acc_t = typename Types::acc_t;
-  ForwardParams<T, W, acc_t> p{a.x.const_data_ptr<T>(),
-                               data_or_null<W>(a.weight),
-                               data_or_null<W>(a.bias),
-                               a.y.mutable_data_ptr<T>(),
-                               mutable_data_or_null<acc_t>(a.mean),
-                               a.rstd.mutable_data_ptr<acc_t>(),
-                               a.rows,
-                               a.cols,
-                               static_cast<acc_t>(a.eps),
-                               0};
-  const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t>::budget, limits, false);
+  using R = typename Types::row_t;
+  ForwardParams<T, W, acc_t, R> p{a.x.const_data_ptr<T>(),
+                                  data_or_null<W>(a.weight),
+                                  data_or_null<W>(a.bias),
+                                  a.y.mutable_data_ptr<T>(),
+                                  mutable_data_or_null<acc_t>(a.mean),
+                                  a.rstd.mutable_data_ptr<acc_t>(),
+                                  a.rows,
+                                  a.cols,
+                                  static_cast<acc_t>(a.eps),
+                                  0,
+                                  data_or_null<R>(a.residual),
+                                  mutable_data_or_null<R>(a.residual_out),
+                                  {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
+  const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
+                      vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
+  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget, limits, false);
   p.threads_per_row = plan.threads_per_row;
-  launch_rows<ForwardKernels<T, W, acc_t>, T, acc_t>(kind, plan, stream, p);
+  launch_rows<ForwardKernels<T, W, acc_t, R>, T, acc_t>(kind, plan, stream, p);
 }
 
 inline void launch_norm_forward(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias),
+  const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
+  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto input_types) {
+    dispatch_row_dtype(input_types, rows,
                        [&](auto types) { launch_forward_typed<decltype(types)>(kind, a, limits, stream); });
+  });
 }
 
 }  // namespace torch_ln

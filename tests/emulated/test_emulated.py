@@ -17,6 +17,7 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600
 - M=0 and M=1; every dtype, mixed precision, with and without weight and bias
+- the fused residual add (add_layer_norm/add_rms_norm) over the same plans, with a float32 residual stream
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import emulated_build as build
 import pytest
 import torch
 import torch.nn.functional as F
+
+from torch_ln import reference
 
 SANITIZED = build.load()
 ops = torch.ops.torch_ln_emulated
@@ -67,15 +70,16 @@ def _torch_norm(kind, eps):
     return lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, eps)
 
 
-def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True)):
-    """Forward and backward through the emulated kernels: y, dx, dweight, dbias, and the statistics."""
+def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True), **rounding):
+    """Forward and backward through the emulated kernels: y, dx, dweight, dbias, and the statistics.
+    `rounding`: rms_norm's weight_offset / round_normalized."""
     shape = [x.shape[-1]]
     if kind == "layer":
         y, mean, rstd = ops.layer_norm_fwd(x, shape, weight, bias, eps)
         dx, dw, db = ops.layer_norm_bwd(dy, x, shape, mean, rstd, weight, bias, list(mask))
         return [y, dx, dw, db], (mean, rstd)
-    y, rstd = ops.rms_norm_fwd(x, shape, weight, eps)
-    dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]))
+    y, rstd = ops.rms_norm_fwd(x, shape, weight, eps, **rounding)
+    dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]), **rounding)
     return [y, dx, dw, None], (rstd,)
 
 
@@ -85,9 +89,13 @@ def _emulated_forward(kind, x, weight, bias, eps):
     return ops.rms_norm_fwd(x, [x.shape[-1]], weight, eps)[0]
 
 
-def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5):
-    ours, stats = _emulated(kind, x, weight, bias, dy, eps)
+def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5, **rounding):
+    """The emulated kernels against torch, or with `rounding` against autograd of torch_ln.reference (the rounding
+    model) in the input's precision; each within 2x the yardstick's error from float64 plus a floor."""
+    ours, stats = _emulated(kind, x, weight, bias, dy, eps, **rounding)
     fn = _torch_norm(kind, eps)
+    if rounding:
+        fn = lambda x, w, b: reference.rms_norm(x, x.shape[-1:], w, eps, **rounding)
     # torch's CPU backward rejects a float32 bias with no weight beside a half input;
     # a weight of ones gives it the same computation.
     torch_weight = weight
@@ -286,8 +294,95 @@ def test_large_mean_small_spread():
     assert (y.double() - exact).abs().max().item() <= 2 * err_torch + 1e-6
 
 
+def _emulated_add(kind, x, residual, weight, bias, dy, dh_out, eps, residual_dtype=None):
+    """The fused residual add + norm through the emulated kernels: y, residual_out, d(residual_out), dw, db."""
+    shape = [x.shape[-1]]
+    if kind == "layer":
+        y, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, shape, weight, bias, eps, residual_dtype)
+        dh, dw, db = ops.add_layer_norm_bwd(dy, dh_out, h, shape, mean, rstd, weight, bias, [True, True, True])
+        return y, h, dh, dw, db
+    y, h, rstd = ops.add_rms_norm_fwd(x, residual, shape, weight, eps, residual_dtype)
+    dh, dw = ops.add_rms_norm_bwd(dy, dh_out, h, shape, rstd, weight, [True, True])
+    return y, h, dh, dw, None
+
+
+# The fused residual add over the same plans as the plain kernels: the scalar path (odd D), short rows, a warp per
+# row, a block per row, and the multi-pass kernels (forward from 33001/40000, backward from 9000/9001).
+ADD_CASES = [(5, 7), (33, 64), (6, 1024), (2, 4096), (2, 9001), (1, 33001), (2, 40000)]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,cols", ADD_CASES)
+def test_residual_add_is_the_plain_norm_of_the_sum(kind, dtype, rows, cols):
+    """Bitwise: residual_out is torch's x + residual, y the plain emulated norm of it, and d(residual_out) the plain
+    emulated dx plus the incoming gradient of residual_out (in float32/float64 both round that sum once)."""
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    g = torch.Generator().manual_seed(7)
+    residual = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
+    dh_out = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
+    y, h, dh, dw, db = _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5)
+    plain, _ = _emulated(kind, x + residual, weight, bias, dy, 1e-5)
+    assert torch.equal(h, x + residual)
+    assert torch.equal(y, plain[0])
+    assert torch.equal(dh, plain[1] + dh_out)
+    assert torch.equal(dw, plain[2])
+    assert db is None or torch.equal(db, plain[3])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("residual_dtype", [None, torch.float32])
+@pytest.mark.parametrize("dtype,param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("rows,cols", [(5, 7), (6, 1024), (2, 16384), (1, 40000)])
+def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols):
+    """half/bfloat16 input, residual_out in the input's dtype or float32 (float32 vectors of 8 elements: 32-byte
+    accesses): residual_out bitwise torch's add; y, d(residual_out) and the parameter gradients within FLOOR of the
+    emulated plain norm of residual_out, which differs only in rounding them once instead of twice."""
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    g = torch.Generator().manual_seed(7)
+    stream = residual_dtype or dtype
+    residual = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(stream)
+    dh_out = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(stream)
+    y, h, dh, dw, db = _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5, residual_dtype)
+    assert torch.equal(h, x.to(stream) + residual) and y.dtype == dtype and dh.dtype == stream
+    as_stream = [t.to(stream) if t is not None else None for t in (weight, bias)]
+    plain, _ = _emulated(kind, h, *as_stream, dy.to(stream), 1e-5)
+    torch.testing.assert_close(y, plain[0].to(dtype), atol=FLOOR[dtype], rtol=FLOOR[dtype])
+    torch.testing.assert_close(dh, plain[1] + dh_out, atol=2 * FLOOR[dtype], rtol=2 * FLOOR[dtype])
+    # The same sums over the same rows: the parameter gradients differ at most by their final rounding, that of the
+    # coarser of the two dtypes (the plain norm's come in the stream dtype: half an ulp of float16 with float32
+    # parameters, measured 4.9e-4 relative).
+    for ours, theirs in ((dw, plain[2]), (db, plain[3])):
+        if ours is not None:
+            floor = max(FLOOR[ours.dtype], FLOOR[theirs.dtype])
+            torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=floor, rtol=floor)
+
+
 @pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/run.sh requires them")
 def test_sanitizers_active():
     # scripts/run.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
     # preload the build would silently be the plain one.
     assert SANITIZED
+
+
+# rms_norm's rounding options (RoundingOptions, csrc/norm.h): Llama's and Gemma's arithmetic.
+ROUNDING = [
+    pytest.param({"round_normalized": True}, id="round_normalized"),
+    pytest.param({"weight_offset": 1.0}, id="weight_offset"),
+    pytest.param({"weight_offset": 1.0, "round_normalized": True}, id="both"),
+]
+
+
+@pytest.mark.parametrize("rounding", ROUNDING)
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,cols",
+    [(1, 1021), (33, 64), (6, 1024), (2, 16384)],  # M=1 prime scalar path; vectors; a warp per row; bwd multi-pass
+)
+def test_rms_norm_rounding_options(rounding, dtype, param_dtype, rows, cols):
+    """The forward is the rounding model (torch_ln.reference.apply_weight on the kernel's own rstd) bit for bit;
+    the backward is held to the accuracy rule against autograd of that model."""
+    x, weight, _, dy = _inputs(rows, cols, dtype, param_dtype, (True, False))
+    y, rstd = ops.rms_norm_fwd(x, [cols], weight, 1e-5, **rounding)
+    assert torch.equal(y, reference.apply_weight(x, x.to(rstd.dtype) * rstd, weight, **rounding))
+    _check_against_torch("rms", x, weight, None, dy, **rounding)

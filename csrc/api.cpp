@@ -1,0 +1,67 @@
+// The public C++ API (torch_ln/include/torch_ln/torch_ln.h). Each function calls its operator through
+// the dispatcher, which picks the CPU or CUDA kernel (and would run any autograd or autocast layer).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch_ln/torch_ln.h>
+
+namespace torch_ln {
+
+namespace {
+
+// The schemas take SymInt[] normalized_shape; these are the C++ types the dispatcher calls them with.
+using Shape = c10::SymIntArrayRef;
+using OptTensor = std::optional<at::Tensor>;
+using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
+using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_operator(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+Tensor3 layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
+                       const OptTensor& bias, double eps) {
+  static const auto op = find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double)>(
+      "torch_ln::layer_norm_fwd");
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps);
+}
+
+Tensor3 layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
+                       const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
+                       std::array<bool, 3> output_mask) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&, const at::Tensor&,
+                            const OptTensor&, const OptTensor&, std::array<bool, 3>)>("torch_ln::layer_norm_bwd");
+  return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), mean, rstd, weight, bias, output_mask);
+}
+
+Tensor2 rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
+                     std::optional<double> eps, double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, Shape, const OptTensor&, std::optional<double>, double, bool)>(
+          "torch_ln::rms_norm_fwd");
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, weight_offset, round_normalized);
+}
+
+Tensor2 rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
+                     const at::Tensor& rstd, const OptTensor& weight, std::array<bool, 2> output_mask,
+                     double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&, const OptTensor&,
+                            std::array<bool, 2>, double, bool)>("torch_ln::rms_norm_bwd");
+  return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight, output_mask, weight_offset,
+                 round_normalized);
+}
+
+at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
+                      const OptTensor& bias, double eps) {
+  return std::get<0>(layer_norm_fwd(input, normalized_shape, weight, bias, eps));
+}
+
+at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
+                    std::optional<double> eps) {
+  return std::get<0>(rms_norm_fwd(input, normalized_shape, weight, eps));
+}
+
+}  // namespace torch_ln

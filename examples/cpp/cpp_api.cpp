@@ -1,0 +1,75 @@
+// The torch_ln C++ API against LibTorch's own layer_norm and rms_norm, on the CPU and on a GPU when there is one.
+//   cpp_api                        the checks; exits 1 on a mismatch
+//   cpp_api INPUTS.pt OUTPUTS.pt   also runs layer_norm and rms_norm on [x, weight, bias] saved by torch.save
+//                                  and saves [layer_norm, rms_norm] for Python to compare with torch_ln's
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+#include <torch_ln/torch_ln.h>
+
+#include <iostream>
+
+#include "tensor_io.h"
+
+namespace {
+
+bool report(const std::string& what, const at::Tensor& got, const at::Tensor& expected, double tolerance) {
+  const double difference = (got.to(at::kDouble) - expected.to(at::kDouble)).abs().max().item<double>();
+  const bool ok = at::allclose(got, expected, tolerance, tolerance);
+  std::cout << what << ": max |difference| " << difference << (ok ? " ok" : " MISMATCH") << std::endl;
+  return ok;
+}
+
+bool check_on(const at::Device device) {
+  const std::string on = " (" + device.str() + ")";
+  at::manual_seed(0);
+  const auto options = at::TensorOptions().device(device);
+  // D = 257, prime: neither the vector width nor a thread count divides it, so the tails run.
+  const int64_t D = 257;
+  const auto x = at::randn({4, 33, D}, options), dy = at::randn({4, 33, D}, options);
+  const auto weight = at::randn({D}, options), bias = at::randn({D}, options);
+  // float32 both sides, statistics accumulated in float32 in different orders: a few ulps of the O(1) outputs.
+  const double output_tolerance = 1e-5;
+  // The weight and bias gradients are sums over 132 rows, whose rounding grows with the count.
+  const double sum_tolerance = 1e-4;
+  bool ok = true;
+
+  ok &= report("layer_norm" + on, torch_ln::layer_norm(x, {D}, weight, bias, 1e-5),
+               at::layer_norm(x, {D}, weight, bias, 1e-5), output_tolerance);
+  ok &= report("rms_norm" + on, torch_ln::rms_norm(x, {D}, weight), at::rms_norm(x, {D}, weight), output_tolerance);
+
+  const auto [y, mean, rstd] = torch_ln::layer_norm_fwd(x, {D}, weight, bias, 1e-5);
+  const auto [y_ref, mean_ref, rstd_ref] = at::native_layer_norm(x, {D}, weight, bias, 1e-5);
+  ok &= report("layer_norm_fwd mean" + on, mean, mean_ref, output_tolerance);
+  ok &= report("layer_norm_fwd rstd" + on, rstd, rstd_ref, output_tolerance);
+  const auto [dx, dweight, dbias] = torch_ln::layer_norm_bwd(dy, x, {D}, mean, rstd, weight, bias, {true, true, true});
+  const auto [dx_ref, dweight_ref, dbias_ref] =
+      at::native_layer_norm_backward(dy, x, {D}, mean_ref, rstd_ref, weight, bias, {true, true, true});
+  ok &= report("layer_norm_bwd grad_input" + on, dx, dx_ref, output_tolerance);
+  ok &= report("layer_norm_bwd grad_weight" + on, dweight, dweight_ref, sum_tolerance);
+  ok &= report("layer_norm_bwd grad_bias" + on, dbias, dbias_ref, sum_tolerance);
+
+  // RMSNorm's reference gradients: LibTorch's autograd through at::rms_norm.
+  const auto [z, z_rstd] = torch_ln::rms_norm_fwd(x, {D}, weight, std::nullopt);
+  const auto [dxr, dweightr] = torch_ln::rms_norm_bwd(dy, x, {D}, z_rstd, weight, {true, true});
+  const auto x_leaf = x.detach().requires_grad_(), weight_leaf = weight.detach().requires_grad_();
+  const auto grads = torch::autograd::grad({at::rms_norm(x_leaf, {D}, weight_leaf)}, {x_leaf, weight_leaf}, {dy});
+  ok &= report("rms_norm_bwd grad_input" + on, dxr, grads[0], output_tolerance);
+  ok &= report("rms_norm_bwd grad_weight" + on, dweightr, grads[1], sum_tolerance);
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool ok = check_on(at::kCPU);
+  if (torch::cuda::is_available()) ok &= check_on(at::kCUDA);
+  if (argc == 3) {
+    const auto inputs = load_tensors(argv[1]);
+    const auto &x = inputs.at(0), &weight = inputs.at(1), &bias = inputs.at(2);
+    const auto shape = weight.sizes();
+    save_tensors(argv[2], {torch_ln::layer_norm(x, shape, weight, bias, 1e-5), torch_ln::rms_norm(x, shape, weight)});
+  }
+  std::cout << (ok ? "all match" : "MISMATCH") << std::endl;
+  return ok ? 0 : 1;
+}

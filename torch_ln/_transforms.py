@@ -1,0 +1,212 @@
+"""torch.func support for the torch_ln operators: batching rules, forward-mode AD, and the autograd.Function
+that grad, vjp, jacrev, jacfwd and jvp can see through.
+
+OPS describes each operator once (which tensor arguments hold one slice per row, which are the affine
+parameters, how its jvp or its per-sample parameter gradients are computed); the batching rules, the jvp and
+the DTensor sharding strategies (torch_ln/_distributed.py) are all read off it, so a new operator is one entry.
+
+Batching (torch.vmap): the vmapped dimension of the row arguments is moved to the front and becomes more rows
+for the same kernel (row arguments that are not vmapped are expanded to it); a vmapped dimension that falls
+inside normalized_shape is handled the same way. The backward kernel sums dweight/dbias over all rows, so
+under vmap those are summed per sample with torch ops instead (as torch's own batching rule does). Only a
+vmapped weight or bias (model ensembles) runs one kernel call per sample (`_per_sample`).
+
+Forward-mode AD: a closed-form jvp in torch ops, from statistics recomputed from the input so that the
+tangent is itself differentiable (jacrev of jacfwd, hessian).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.autograd.forward_ad
+from torch import Tensor
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+from torch_ln import reference
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the transforms need to know about one torch_ln operator (arguments named as in its schema)."""
+
+    rows: tuple[str, ...]  # tensors with the input's batch dims: input-shaped, or statistics (size-1 normalized dims)
+    params: tuple[str, ...]  # tensors shaped like normalized_shape: weight, bias
+    # Forward ops: (arguments, tangents), both by name -> the tangent of every output.
+    jvp: Callable[[dict, dict], tuple[Tensor, ...]] | None = None
+    # Backward ops (outputs: dinput, then one gradient per param, chosen by output_mask): (arguments with the
+    # vmapped dim in front, wanted per param) -> each sample's parameter gradients (None where not wanted).
+    param_grads: Callable[[dict, Sequence[bool]], list[Tensor | None]] | None = None
+
+
+def _op(name: str) -> torch._ops.OpOverload:
+    return getattr(torch.ops.torch_ln, name).default
+
+
+def _arg_names(name: str) -> list[str]:
+    return [a.name for a in _op(name)._schema.arguments]
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward-mode AD, and per-sample parameter gradients (the backward ops under vmap)
+# ------------------------------------------------------------------------------------------------
+
+
+def _norm_jvp(args: dict, tangents: dict, centred: bool) -> tuple[Tensor, ...]:
+    """Tangents of (y, mean, rstd) (RMSNorm: y, rstd) for y = xhat * weight + bias."""
+    input, weight, bias = args["input"], args["weight"], args.get("bias")
+    xhat, _, rstd = reference.normalize(input, args["normalized_shape"], args["eps"], centred)
+    dinput = tangents["input"] if tangents["input"] is not None else torch.zeros_like(input)
+    dy, dmean, drstd = reference.normalization_jvp(xhat, rstd, dinput, len(args["normalized_shape"]), centred)
+    if weight is not None:
+        dy = dy * weight.to(dy.dtype)
+        if tangents["weight"] is not None:
+            dy = dy + xhat * tangents["weight"].to(dy.dtype)
+    if bias is not None and tangents["bias"] is not None:
+        dy = dy + tangents["bias"].to(dy.dtype)
+    return (dy.to(input.dtype), dmean, drstd) if centred else (dy.to(input.dtype), drstd)
+
+
+def _per_sample_affine_grads(args: dict, xhat: Tensor, params: tuple, wanted: Sequence[bool]) -> list:
+    params = [p if want else None for p, want in zip(params, wanted)]
+    return reference.affine_grads(args["grad_out"], xhat, params, len(args["normalized_shape"]), first_row_dim=1)
+
+
+def _layer_norm_param_grads(args: dict, wanted: Sequence[bool]) -> list[Tensor | None]:
+    xhat = (args["input"].to(args["rstd"].dtype) - args["mean"]) * args["rstd"]
+    return _per_sample_affine_grads(args, xhat, (args["weight"], args["bias"]), wanted)
+
+
+def _rms_norm_param_grads(args: dict, wanted: Sequence[bool]) -> list[Tensor | None]:
+    xhat = args["input"].to(args["rstd"].dtype) * args["rstd"]
+    return _per_sample_affine_grads(args, xhat, (args["weight"],), wanted)
+
+
+OPS: dict[str, OpInfo] = {
+    "layer_norm_fwd": OpInfo(rows=("input",), params=("weight", "bias"), jvp=partial(_norm_jvp, centred=True)),
+    "layer_norm_bwd": OpInfo(
+        rows=("grad_out", "input", "mean", "rstd"), params=("weight", "bias"), param_grads=_layer_norm_param_grads
+    ),
+    "rms_norm_fwd": OpInfo(rows=("input",), params=("weight",), jvp=partial(_norm_jvp, centred=False)),
+    "rms_norm_bwd": OpInfo(rows=("grad_out", "input", "rstd"), params=("weight",), param_grads=_rms_norm_param_grads),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Batching rules
+# ------------------------------------------------------------------------------------------------
+
+
+def _per_sample(op, batch_size: int, in_dims: Sequence[int | None], args: Sequence) -> tuple[tuple, tuple]:
+    """One call per sample, stacked: only for a vmapped weight or bias, which the kernels take one of."""
+
+    def sample(i: int) -> list:
+        return [a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)]
+
+    results = [op(*sample(i)) for i in range(batch_size)]
+    return tuple(torch.stack(outputs) for outputs in zip(*results)), (0,) * len(results[0])
+
+
+def batching_rule(name: str) -> Callable:
+    """The vmap rule of torch_ln::<name>: (info, in_dims, *args) -> (outputs, out_dims)."""
+    op, info, names = _op(name), OPS[name], _arg_names(name)
+
+    def rule(vmap_info, in_dims, *args):
+        if len(args) < len(names):  # the dispatcher drops arguments left at their defaults
+            args, _ = torch._library.utils.fill_defaults(op._schema, args, {})
+        in_dims = (*in_dims, *(None,) * (len(args) - len(in_dims)))
+        dims = dict(zip(names, in_dims))
+        if any(dims[p] is not None for p in info.params):
+            return _per_sample(op, vmap_info.batch_size, in_dims, args)
+        named = dict(zip(names, args))
+        for row in info.rows:
+            t, d = named[row], dims[row]
+            named[row] = t.movedim(d, 0) if d is not None else t.expand(vmap_info.batch_size, *t.shape)
+        if info.param_grads is None:
+            outputs = op(*named.values())
+            return outputs, (0,) * len(outputs)
+        wanted = list(named["output_mask"])
+        named["output_mask"] = [wanted[0]] + [False] * len(info.params)  # the kernel would sum over samples
+        dinput, *unrequested = op(*named.values())
+        grads = info.param_grads(named, wanted[1:])
+        outputs = (dinput, *(g if g is not None else empty for g, empty in zip(grads, unrequested)))
+        out_dims = (0 if wanted[0] else None, *(0 if g is not None else None for g in grads))
+        return outputs, out_dims
+
+    return rule
+
+
+for _name in OPS:
+    torch.library.register_vmap(f"torch_ln::{_name}", batching_rule(_name))
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd
+# ------------------------------------------------------------------------------------------------
+
+_LIB = torch.library.Library("torch_ln", "FRAGMENT")
+
+
+def _forward_ad_active() -> bool:
+    # Inside a torch.autograd.forward_ad.dual_level (its level is only kept privately).
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def register_autograd(qualname: str, backward: Callable, *, setup_context: Callable) -> None:
+    """torch.library.register_autograd for a torch_ln forward op, through an autograd.Function that torch.func
+    can use (torch's generated one has no setup_context, which torch.func requires) and that has the op's jvp.
+    """
+    name = qualname.split("::")[1]
+    op, info, names = _op(name), OPS[name], _arg_names(name)
+
+    def forward(*args):
+        # Below this level's autograd; the levels of enclosing torch.func transforms differentiate as usual
+        # (Function.forward turns both gradient modes off).
+        with torch._C._AutoDispatchBelowAutograd(), torch.enable_grad(), _set_fwd_grad_enabled(True):
+            return op(*args)
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        # For jvp only (autograd drops these after the forward): every argument, the tensors saved properly.
+        ctx.tensor_positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
+        ctx.save_for_forward(*(inputs[i] for i in ctx.tensor_positions))
+        ctx.jvp_args = [None if isinstance(a, Tensor) else a for a in inputs]
+
+    def jvp(ctx, *tangents):
+        args = list(ctx.jvp_args)
+        for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[i] = torch.autograd.forward_ad.unpack_dual(t, level=0).primal  # this level's tangent dropped
+        # Forward AD back on (autograd turned it off) so that enclosing jvp/jacfwd levels see this computation.
+        with _set_fwd_grad_enabled(True):
+            return info.jvp(dict(zip(names, args)), dict(zip(names, tangents)))
+
+    # A single-level Function is what a C++ autograd kernel is to torch.func: it records on the tensors of the
+    # transform level being processed (this kernel runs inside the dispatcher, below functorch's front layer).
+    function = type(
+        "".join(part.title() for part in name.split("_")),  # grad_fn: LayerNormFwdBackward
+        (torch.autograd.function._SingleLevelFunction,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+            "_compiled_autograd_key": staticmethod(torch.autograd.Function._compiled_autograd_key),
+        },
+    )
+
+    def autograd_kernel(keyset, *args):
+        if len(args) < len(names):  # the dispatcher drops arguments left at their defaults (fill_defaults is slow)
+            args, _ = torch._library.utils.fill_defaults(op._schema, args, {})
+        if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or _forward_ad_active():
+            if not torch._C._are_functorch_transforms_active():
+                return function.apply(*args)
+            with enable_single_level_autograd_function():
+                return function.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)

@@ -1,0 +1,64 @@
+// The torch_ln C++ API. Link the CMake target torch_ln::torch_ln (find_package(torch_ln)); that alone
+// registers the torch_ln operators, so torch::Dispatcher and AOTInductor packages find them.
+//
+// Every function calls its operator through the dispatcher: CPU and CUDA tensors both work. These are
+// inference entry points: autograd for the operators is registered by the Python package only; in C++,
+// compute gradients with the *_bwd functions and the statistics of the *_fwd ones.
+// A new operator gets its declaration here, its definition in csrc/api.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#if defined(_WIN32)
+#define TORCH_LN_API
+#else
+#define TORCH_LN_API __attribute__((visibility("default")))
+#endif
+
+namespace torch_ln {
+
+// As torch::layer_norm: normalizes over the trailing normalized_shape dimensions of input.
+TORCH_LN_API at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                   const std::optional<at::Tensor>& weight = std::nullopt,
+                                   const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+
+// As torch::rms_norm; eps = nullopt is torch's default, the machine epsilon of the accumulation dtype.
+TORCH_LN_API at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                 const std::optional<at::Tensor>& weight = std::nullopt,
+                                 std::optional<double> eps = std::nullopt);
+
+// The operator torch_ln::layer_norm_fwd: (output, mean, rstd), statistics in float32 (float64 for float64
+// input) with the input's batch dimensions and a 1 for each normalized dimension, as aten::native_layer_norm.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input,
+                                                                           at::IntArrayRef normalized_shape,
+                                                                           const std::optional<at::Tensor>& weight,
+                                                                           const std::optional<at::Tensor>& bias,
+                                                                           double eps);
+
+// The operator torch_ln::layer_norm_bwd: (grad_input, grad_weight, grad_bias) from layer_norm_fwd's statistics.
+// A gradient not asked for in output_mask (or without its parameter) comes back as an empty tensor.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape, const at::Tensor& mean,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask);
+
+// The operator torch_ln::rms_norm_fwd: (output, rstd). weight_offset and round_normalized reproduce other
+// libraries' rounding (see the README: Gemma's 1 + weight, Llama's rounding before the weight product).
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             std::optional<double> eps, double weight_offset = 0,
+                                                             bool round_normalized = false);
+
+// The operator torch_ln::rms_norm_bwd: (grad_input, grad_weight), as layer_norm_bwd.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
+                                                             at::IntArrayRef normalized_shape, const at::Tensor& rstd,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             std::array<bool, 2> output_mask, double weight_offset = 0,
+                                                             bool round_normalized = false);
+
+}  // namespace torch_ln

@@ -1,0 +1,229 @@
+"""torch_ln for the norm classes of Hugging Face transformers and timm, rounding as each class does.
+
+:func:`torch_ln.replace_norms` recognizes a transformers norm class by its arithmetic: the source of its
+``forward`` (and ``_norm``) must be identical, docstrings and annotations aside, to that of one of the
+reference classes below, read from the installed transformers. About 140 classes share LlamaRMSNorm's,
+a dozen GemmaRMSNorm's. timm's ``LayerNorm`` and ``LayerNorm2d`` are registered by class. Neither library
+is imported here: a class is looked at when a model holding it is swapped, or when
+:func:`patch_transformers` is called.
+
+Each family's forward runs torch_ln's kernels with the rounding options that reproduce the class:
+
+- Llama-style RMSNorm (``weight * normed.to(input_dtype)``): ``round_normalized=True``.
+- Gemma-style RMSNorm (``(normed * (1 + weight.float())).type_as(x)``): ``weight_offset=1``.
+- T5LayerNorm: Llama's rounding when weight and input share a half/bfloat16 (or float32) dtype.
+- Cohere-style LayerNorm (float32 statistics, no bias): torch_ln's layer_norm as it is.
+
+Where the output dtype is promoted (a float32 weight with half input gives float32 output in Llama and T5,
+as under autocast) the kernel normalizes and ``weight * normed`` runs in torch, which is exactly the
+class's own product. A 2-D Cohere weight (per-head QK-norm) is applied the same way. Inputs the classes
+compute in float32 though they are float64 (all four do) go to the class's own forward.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import inspect
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from torch_ln import ops
+from torch_ln.modules import _RESOLVERS, Converter, converter_for, forward_converter, register_norm
+
+__all__ = ["FAMILIES", "arithmetic_signature", "patch_transformers", "swappable"]
+
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _original_forward(module, x: Tensor) -> Tensor:
+    """The swapped module's own class's forward: the cases the kernels do not reproduce."""
+    return type(module).__mro__[1].forward(module, x)
+
+
+def _kernel_computes(module, x: Tensor) -> bool:
+    """The families normalize the last dimension in float32; float64 input they round to float32 first."""
+    return x.dtype in (torch.float32, *_REDUCED) and module.weight.dim() == 1 and module.weight.shape[0] == x.shape[-1]
+
+
+def llama_rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    """LlamaRMSNorm: float32 normalization rounded to the input dtype, then the weight product in its dtype."""
+    weight = self.weight
+    if not _kernel_computes(self, hidden_states):
+        return _original_forward(self, hidden_states)
+    if weight.dtype == hidden_states.dtype:
+        return ops.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon, round_normalized=True)
+    # Promoted output: the kernel's rounding to the input dtype is the class's, the product is torch's own.
+    return weight * ops.rms_norm(hidden_states, weight.shape, None, self.variance_epsilon)
+
+
+def gemma_rms_norm_forward(self, x: Tensor) -> Tensor:
+    """GemmaRMSNorm: (1 + weight) in float32, the product in float32, one rounding to the input dtype."""
+    weight = self.weight
+    if not _kernel_computes(self, x):
+        return _original_forward(self, x)
+    # Any other weight dtype is converted exactly to float32, which the kernel takes with any input.
+    kernel_weight = weight if weight.dtype == x.dtype else weight.float()
+    return ops.rms_norm(x, weight.shape, kernel_weight, self.eps, weight_offset=1.0)
+
+
+def t5_layer_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    """T5LayerNorm: float32 normalization, rounded to the weight's dtype only if that is half/bfloat16."""
+    weight = self.weight
+    if not _kernel_computes(self, hidden_states):
+        return _original_forward(self, hidden_states)
+    if weight.dtype == hidden_states.dtype:
+        return ops.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon, round_normalized=True)
+    normed = ops.rms_norm(hidden_states.float(), weight.shape, None, self.variance_epsilon)
+    return weight * (normed.to(weight.dtype) if weight.dtype in _REDUCED else normed)
+
+
+def cohere_layer_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    """CohereLayerNorm: LayerNorm without bias, statistics and the weight product in float32, one rounding."""
+    weight, eps = self.weight, self.variance_epsilon
+    if hidden_states.dtype not in (torch.float32, *_REDUCED) or weight.shape[-1] != hidden_states.shape[-1]:
+        return _original_forward(self, hidden_states)
+    if weight.dim() == 1:
+        kernel_weight = weight if weight.dtype == hidden_states.dtype else weight.float()
+        return ops.layer_norm(hidden_states, weight.shape, kernel_weight, None, eps)
+    # Per-head weight [heads, head_dim]: the kernel normalizes each head's row, the product is torch's.
+    normed = ops.layer_norm(hidden_states.float(), weight.shape[-1:], None, None, eps)
+    return (weight.float() * normed).to(hidden_states.dtype)
+
+
+def timm_layer_norm_forward(self, x: Tensor) -> Tensor:
+    """timm.layers.LayerNorm: F.layer_norm (timm's optional fast-norm path is superseded)."""
+    return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def timm_layer_norm_2d_forward(self, x: Tensor) -> Tensor:
+    """timm.layers.LayerNorm2d: channels of NCHW normalized through a permuted view (a channels-last input
+    is read in place; any other is made contiguous by the operator), the output permuted back."""
+    normed = ops.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+    return normed.permute(0, 3, 1, 2)
+
+
+# transformers families: the reference class whose arithmetic defines the family, and the converter.
+FAMILIES: dict[str, tuple[str, str, forward_converter]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", forward_converter(llama_rms_norm_forward)),
+    "gemma": ("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm", forward_converter(gemma_rms_norm_forward)),
+    "t5": ("transformers.models.t5.modeling_t5", "T5LayerNorm", forward_converter(t5_layer_norm_forward)),
+    "cohere": (
+        "transformers.models.cohere.modeling_cohere",
+        "CohereLayerNorm",
+        forward_converter(cohere_layer_norm_forward),
+    ),
+}
+
+_TIMM_CLASSES = {
+    "LayerNorm": forward_converter(timm_layer_norm_forward),
+    "LayerNorm2d": forward_converter(timm_layer_norm_2d_forward),
+}
+
+# What decides a class's arithmetic: these methods, if it defines them.
+_ARITHMETIC_METHODS = ("forward", "_norm")
+
+
+def arithmetic_signature(cls: type) -> str | None:
+    """The AST of the class's forward (and _norm), docstrings and annotations removed, from its source file
+    (so a forward replaced at run time, e.g. by the kernel hub, does not hide the class's own); None if the
+    source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return class_signature(tree.body[0]) if tree.body and isinstance(tree.body[0], ast.ClassDef) else None
+
+
+def class_signature(class_def: ast.ClassDef) -> str | None:
+    """arithmetic_signature of a parsed class definition."""
+    methods = {}
+    for node in class_def.body:
+        if isinstance(node, ast.FunctionDef) and node.name in _ARITHMETIC_METHODS:
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            node.body, node.returns, node.decorator_list = body, None, []
+            for arg in node.args.args:
+                arg.annotation = None
+            methods[node.name] = ast.dump(node)
+    return repr(sorted(methods.items())) if "forward" in methods else None
+
+
+_family_signatures: dict[str, str] = {}
+
+
+def _families_by_signature() -> dict[str, str]:
+    """Reference signature -> family name, the reference classes imported on first use."""
+    if not _family_signatures:
+        for family, (module_name, class_name, converter) in FAMILIES.items():
+            cls = getattr(importlib.import_module(module_name), class_name)
+            register_norm(cls, converter)
+            signature = arithmetic_signature(cls)
+            if signature is not None:
+                _family_signatures[signature] = family
+    return _family_signatures
+
+
+def _resolve(cls: type) -> Converter | None:
+    """The converter of a transformers or timm class this module knows, or None."""
+    module = cls.__module__ or ""
+    if module.startswith("timm.") and "timm" in sys.modules:
+        layers = importlib.import_module("timm.layers")
+        for name, converter in _TIMM_CLASSES.items():
+            register_norm(getattr(layers, name), converter)
+        return converter_for(cls) if cls in {getattr(layers, name) for name in _TIMM_CLASSES} else None
+    if module.startswith("transformers.") and "transformers" in sys.modules:
+        family = _families_by_signature().get(arithmetic_signature(cls) or "")
+        return FAMILIES[family][2] if family else None
+    return None
+
+
+_RESOLVERS.append(_resolve)
+
+
+@contextlib.contextmanager
+def patch_transformers(*model_types: str) -> Iterator[list[str]]:
+    """Makes models built inside the ``with`` block construct torch_ln norms directly.
+
+    ``model_types`` are transformers model directories ("llama", "qwen2", "gemma2", ...). In each one's
+    modeling module, every norm class torch_ln recognizes is replaced by its torch_ln subclass (same name,
+    ``__init__`` and parameters, torch_ln's forward), so ``from_pretrained`` and ``from_config`` build
+    them; leaving the block restores the originals (models already built keep their norms). Yields the
+    names of the classes it patched, and raises ValueError for a model type whose modeling module holds
+    no norm torch_ln recognizes.
+
+        with torch_ln.integrations.patch_transformers("llama"):
+            model = LlamaForCausalLM(config)
+    """
+    patched: list[tuple[object, str, type]] = []
+    try:
+        for model_type in model_types:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+            found = 0
+            for name, value in list(vars(module).items()):
+                if isinstance(value, type) and value.__module__ == module.__name__:
+                    converter = converter_for(value)
+                    if isinstance(converter, forward_converter):
+                        setattr(module, name, converter.subclass(value))
+                        patched.append((module, name, value))
+                        found += 1
+            if not found:
+                raise ValueError(
+                    f"torch_ln.patch_transformers: expected a norm class torch_ln recognizes in {module.__name__}, "
+                    "but found none"
+                )
+        yield [f"{module.__name__}.{name}" for module, name, _ in patched]
+    finally:
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)
+
+
+def swappable(cls: type) -> bool:
+    """Whether :func:`torch_ln.replace_norms` swaps modules of class ``cls``."""
+    return converter_for(cls) is not None
