@@ -103,6 +103,7 @@ def emulate(op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: t
     o = ops()
     x, weight, bias, dy = _inputs(op, mode, D, rows, dtype)
     o.set_device(*device)
+    o.set_counting(True)
     named = {"x": x, "weight": weight, **({"bias": bias} if bias is not None else {})}
     o.set_regions(list(named), list(named.values()))
     try:
@@ -121,6 +122,7 @@ def emulate(op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: t
                 o.rms_norm_bwd(dy, x, [D], rstd, weight, [True, True])
             log = json.loads(o.take_launch_log())
     finally:
+        o.set_counting(False)
         o.set_regions([], [])
         o.set_device(2, 2048)
     return log
@@ -174,6 +176,15 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
     return out
 
 
+def row_kernel_smem(mode: str, plan: dict, D: int) -> int:
+    """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
+    of rows over 32 threads; the backward with several rows a block adds their partial rows on chip."""
+    smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
+    if mode == "bwd" and plan["rows_per_block"] > 1:
+        smem = max(smem, plan["rows_per_block"] * D * 4)
+    return smem
+
+
 def kernel_time(dram_bytes: float, resident_threads: int, bytes_in_flight: int, waves: float) -> float:
     """Seconds for one kernel: DRAM bytes at the lesser of copy bandwidth and what Little's law allows
     (resident threads x bytes each keeps in flight / DRAM latency), stretched by the last wave's tail."""
@@ -198,9 +209,15 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     elem = torch.empty(0, dtype=dtype).element_size()
     M = M if M is not None else case_rows(mode, D, elem)
     o = ops()
-    o.set_device(H200.sms, H200.threads_per_sm)
-    vec, items, tpr, rpb, blocks = o.plan(mode, M, D, elem, True)
-    o.set_device(2, 2048)
+
+    def plan_on_h200(blocks_per_sm: int = 0) -> list[int]:
+        o.set_device(H200.sms, H200.threads_per_sm)
+        try:
+            return o.plan(mode, M, D, elem, True, blocks_per_sm)
+        finally:
+            o.set_device(2, 2048)
+
+    vec, items, tpr, rpb, blocks = plan_on_h200()
     plan = {
         "vec": vec,
         "items": items,
@@ -215,8 +232,10 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     names = [launch["kernel"] for launch in probe]
     row_kernel = names[0]
     res = {n: resources.get(n, {}) for n in names}
-    smem = 2 * 4 * (plan["block_threads"] // 32) if tpr > 32 else 0
+    smem = row_kernel_smem(mode, plan, D)
     per_sm = kernel_resources.blocks_per_sm(res[row_kernel].get("registers", 32), plan["block_threads"], smem)
+    if mode == "bwd":  # the backward's grid is one wave at its kernel's occupancy (limit_to_one_wave)
+        blocks = plan["blocks"] = plan_on_h200(per_sm)[4]
     resident_blocks = min(blocks, H200.sms * per_sm)
     traffic = scaled_traffic(op, mode, D, M, dtype, plan, resident_blocks)
 
@@ -226,8 +245,8 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         r = res.get(name, {})
         if name == row_kernel:
             threads, grid, bps = plan["block_threads"], blocks, per_sm
-        else:  # the backward's reduce: 2 x ceil(D / 32) blocks of 256 threads
-            threads, grid = 256, 2 * math.ceil(D / 32)
+        else:  # the backward's reduce: 2 x ceil(D / 4 / 32) blocks of 512 threads (float32 vectors of 4)
+            threads, grid = 512, 2 * math.ceil(D / 4 / 32)
             bps = kernel_resources.blocks_per_sm(r.get("registers", 32), threads, r.get("static_smem", 0))
         resident_threads = min(grid, H200.sms * bps) * threads
         waves = grid / (H200.sms * bps)

@@ -57,9 +57,24 @@ template <typename T>
 TLN_DEVICE T load_global(const T* p, Site = TLN_SITE) {
   return *p;
 }
+// Vectors of 16-byte multiples are stored 16 bytes at a time, in PTX: a struct
+// store is split into 32-bit ones before ptxas sees it (STG.32 x 4, not STG.128).
+// No "memory" clobber, so later loads may be issued ahead of the store; the
+// kernels never read a location back before a barrier (volatile asm and
+// __syncthreads keep their order), and outputs never alias inputs.
 template <typename T>
 TLN_DEVICE void store_global(T* p, const T& v, Site = TLN_SITE) {
-  *p = v;
+  if constexpr (sizeof(T) % 16 == 0 && alignof(T) >= 16) {
+    unsigned w[sizeof(T) / 4];
+    memcpy(w, &v, sizeof(T));
+#pragma unroll
+    for (size_t k = 0; k < sizeof(T) / 16; ++k) {
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 16 * k),
+                   "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+    }
+  } else {
+    *p = v;
+  }
 }
 template <typename T>
 TLN_DEVICE T load_shared(const T* p, Site = TLN_SITE) {
@@ -75,6 +90,16 @@ TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
 // A product rounded on its own, never fused into a following add.
 TLN_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 TLN_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// How many blocks of `threads` threads and `smem_bytes` of dynamic shared memory
+// an SM of the current device holds at once, by the kernel's registers and
+// shared memory (the occupancy API).
+template <typename... Params>
+int resident_blocks_per_sm(void (*kernel)(Params...), int threads, size_t smem_bytes, int /*max_threads_per_sm*/) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes));
+  return blocks;
+}
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
 template <typename... Params, typename... Args>
@@ -154,6 +179,12 @@ inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 template <typename T>
 T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
   return a * b;
+}
+
+// The emulated device has no registers to count: blocks are limited by its threads per SM alone.
+template <typename... Params>
+int resident_blocks_per_sm(void (*)(Params...), int threads, size_t, int max_threads_per_sm) {
+  return max_threads_per_sm / threads;
 }
 
 template <typename... Params, typename... Args>

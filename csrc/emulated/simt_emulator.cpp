@@ -154,6 +154,7 @@ size_t region_of(uintptr_t address) {
   return static_cast<size_t>(std::prev(it) - regions.begin());
 }
 
+bool counting = false;         // set between launches, under launch_mutex
 double model_l2_bytes = 50e6;  // H200: 60 MB of L2, about 50 MB usable by one stream
 int64_t model_concurrent_blocks = 0;
 unsigned block_sample = 0;  // 0: run every block
@@ -339,11 +340,12 @@ ThreadContext& this_thread() {
 
 void sync_threads() {
   ThreadContext& t = this_thread();
-  if (t.linear_tid == 0) ++t.block->syncs;
+  if (counting && t.linear_tid == 0) ++t.block->syncs;
   t.block->barrier.arrive_and_wait("__syncthreads");
 }
 
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site) {
+  if (!counting) return;
   ThreadContext& t = this_thread();
   ThreadTrace& trace = t.block->traces[t.linear_tid];
   const auto a = reinterpret_cast<uintptr_t>(address);
@@ -356,6 +358,11 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
     it->second = trace.position;
   }
   trace.accesses.push_back({a, static_cast<uint32_t>(bytes), store, space, site, distance});
+}
+
+void set_counting(bool on) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  counting = on;
 }
 
 void set_l2_model(double l2_bytes, int64_t concurrent_blocks) {
@@ -432,7 +439,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
       body();
       state.barrier.arrive_and_wait("block end");
       // The other threads wait at the next block start (or the join) meanwhile.
-      if (tid == 0) state.account(traffic, bytes_per_block_slot);
+      if (tid == 0 && counting) state.account(traffic, bytes_per_block_slot);
     }
     current_thread = nullptr;
   };
@@ -442,7 +449,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
   pool.reserve(threads);
   for (unsigned tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, tid);
   for (auto& t : pool) t.join();
-  launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks,
+  if (counting)
+    launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks,
                                    static_cast<double>(grid.x) / sampled_x));
 }
 

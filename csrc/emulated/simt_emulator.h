@@ -68,6 +68,10 @@ struct Site {
 };
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site);
 
+// Counting is off unless switched on (the kernel model and the traffic tests):
+// the other emulated runs pay nothing for it.
+void set_counting(bool on);
+
 // The L2 model of the DRAM estimate: `l2_bytes` of cache shared by
 // `concurrent_blocks` blocks in flight (0: as many as fit on an H200 by threads
 // alone, at most the grid).

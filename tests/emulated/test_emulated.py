@@ -330,10 +330,26 @@ def test_residual_add_is_the_plain_norm_of_the_sum(kind, dtype, rows, cols):
     assert db is None or torch.equal(db, plain[3])
 
 
+# Every kernel tier of the float32 residual stream under half/bfloat16 input, each parameter dtype: the scalar path
+# in a warp (7) and in registers (1021, prime), 16-byte vectors in a warp (64) and in a block (1024), the backward's
+# multi-pass path (16384, and 4099 on the scalar path, also the forward's) and the forward's (40000).
+FLOAT32_STREAM_SHAPES = [(5, 7), (3, 64), (2, 1021), (6, 1024), (2, 4099), (2, 16384), (1, 40000)]
+REDUCED_PRECISION_ADD_CASES = [
+    *(
+        (dtype, param_dtype, None, rows, cols)
+        for dtype, param_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]
+        for rows, cols in [(5, 7), (6, 1024), (2, 16384), (1, 40000)]
+    ),
+    *(
+        (dtype, param_dtype, torch.float32, rows, cols)
+        for dtype, param_dtype in DTYPES[2:]
+        for rows, cols in FLOAT32_STREAM_SHAPES
+    ),
+]
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-@pytest.mark.parametrize("residual_dtype", [None, torch.float32])
-@pytest.mark.parametrize("dtype,param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
-@pytest.mark.parametrize("rows,cols", [(5, 7), (6, 1024), (2, 16384), (1, 40000)])
+@pytest.mark.parametrize("dtype,param_dtype,residual_dtype,rows,cols", REDUCED_PRECISION_ADD_CASES)
 def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols):
     """half/bfloat16 input, residual_out in the input's dtype or float32 (float32 vectors of 8 elements: 32-byte
     accesses): residual_out bitwise torch's add; y, d(residual_out) and the parameter gradients within FLOOR of the

@@ -62,9 +62,8 @@ def test_traffic(op, mode, dtype, cols):
         assert launch["store_bytes"] == row_bytes + ROWS * 4 * stats
     else:
         assert regions["dy"][0] == row_bytes, "dy is read more than once"
-        # Stores: dx, then the partial-sum allowance: a float32 partial row per row-slot and parameter gradient.
-        slots = blocks * rpb
-        assert launch["store_bytes"] == row_bytes + slots * cols * 4 * kernel_model.parameter_count(op)
+        # Stores: dx, then the partial-sum allowance: a float32 partial row per block and parameter gradient.
+        assert launch["store_bytes"] == row_bytes + blocks * cols * 4 * kernel_model.parameter_count(op)
 
 
 def test_counters_see_a_rereading_path():
