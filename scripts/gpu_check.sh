@@ -36,4 +36,6 @@ done
 step "benchmark"
 timeout 150 python3 benchmarks/bench_layer_norm.py --device cuda --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench_layer_norm.txt" | tail -40
 timeout 60 python3 benchmarks/bench_rms_norm.py --device cuda --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench_rms_norm.txt" | tail -20
+step "kernel model: measured beside predicted (the benchmark's cases)"
+timeout 120 python3 benchmarks/kernel_model.py --compare "$OUT"/bench/*_cuda.csv 2>"$OUT/model.log" | tee "$OUT/model_vs_measured.txt"
 step "done"

@@ -2,7 +2,8 @@
 # One command for each job, set-up included (Python >= 3.10 on PATH as python3, or $PYTHON):
 #   bash scripts/run.sh main   installs, builds, and runs the self-check `python -m torch_ln`
 #   bash scripts/run.sh test   installs, builds, and runs the test suite: the main suite, then
-#                              the CUDA kernels under SIMT emulation with ASan and UBSan
+#                              the CUDA kernels under SIMT emulation with ASan and UBSan, then
+#                              under gcov, then the kernel gates (tests/gates; needs nvcc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -16,10 +17,14 @@ case "${1:-}" in
     "$PYTHON" -m torch_ln
     ;;
   test)
-    "$PYTHON" -m pytest tests --ignore=tests/emulated
+    "$PYTHON" -m pytest tests --ignore=tests/emulated --ignore=tests/gates
     # The emulated kernels under AddressSanitizer: its runtime has to be loaded first.
     LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
       TORCH_LN_REQUIRE_SANITIZERS=1 "$PYTHON" -m pytest tests/emulated
+    # Again under gcov, then the gates: every sm_90 kernel instantiation (ptxas) free of spills,
+    # launched by those tests, and every branch arm of the kernels taken.
+    TORCH_LN_COVERAGE=1 "$PYTHON" -m pytest tests/emulated -q
+    TORCH_LN_REQUIRE_GATES=1 "$PYTHON" -m pytest tests/gates
     ;;
   *)
     echo "usage: bash scripts/run.sh main|test" >&2

@@ -7,6 +7,26 @@
 
 namespace torch_ln {
 
+// Sums the partial rows into dweight and dbias (launched on the row kernel's stream, after it).
+template <typename acc_t, typename W, typename Params>
+void launch_reduce_partials(const Params& p, const BackwardArgs& a, int64_t partial_rows, dev::Stream stream) {
+  constexpr int kVec = kVectorBytes / sizeof(acc_t);
+  const bool vec_ok = a.cols % kVec == 0 && is_aligned(data_or_null<W>(a.dweight), kVec * sizeof(W)) &&
+                      is_aligned(data_or_null<W>(a.dbias), kVec * sizeof(W));
+  const int vec = vec_ok ? kVec : 1;
+  const dev::Dim3 grid{static_cast<unsigned>(ceil_div(a.cols / vec, kReduceVectors)), 2};
+  const dev::Dim3 block{kReduceVectors, kReduceStripes};
+  auto launch = [&](auto kernel) {
+    dev::launch(kernel, grid, block, 0, stream, p.partial_dweight, p.partial_dbias, mutable_data_or_null<W>(a.dweight),
+                mutable_data_or_null<W>(a.dbias), partial_rows, a.cols);
+  };
+  if (vec_ok) {
+    launch(reduce_partials_kernel<acc_t, W, kVec>);
+  } else {
+    launch(reduce_partials_kernel<acc_t, W, 1>);
+  }
+}
+
 template <typename Types>
 void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   using T = typename Types::input_t;
@@ -28,26 +48,27 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                    {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight}) &&
                       vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kBackwardBudget, limits, true);
+  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t, R>::budget);
   p.threads_per_row = plan.threads_per_row;
-  // One partial row per row-slot; the multi-pass kernel accumulates into them, so they start at zero.
-  const int64_t slots = plan.blocks * plan.rows_per_block;
-  const auto partial_options = a.x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
-  auto partial = [&](const at::Tensor& grad) {
-    if (!grad.defined()) return at::Tensor();
-    return plan.multipass() ? at::zeros({slots, a.cols}, partial_options) : at::empty({slots, a.cols}, partial_options);
-  };
-  const at::Tensor partial_dweight = partial(a.dweight), partial_dbias = partial(a.dbias);
-  p.partial_dweight = mutable_data_or_null<acc_t>(partial_dweight);
-  p.partial_dbias = mutable_data_or_null<acc_t>(partial_dbias);
-
-  launch_rows<BackwardKernels<T, W, acc_t, R>, T, acc_t>(kind, plan, stream, p);
-  if (a.dweight.defined() || a.dbias.defined()) {
-    const dev::Dim3 grid{static_cast<unsigned>(ceil_div(a.cols, kReduceCols)), 2};
-    const dev::Dim3 block{kReduceCols, kReduceRows};
-    dev::launch(reduce_partials_kernel<acc_t, W>, grid, block, 0, stream, p.partial_dweight, p.partial_dbias,
-                mutable_data_or_null<W>(a.dweight), mutable_data_or_null<W>(a.dbias), slots, a.cols);
-  }
+  // Row reductions, then (several rows a block) the block's partial rows added on chip.
+  const size_t smem = std::max(plan.smem_bytes<acc_t>(),
+                               plan.rows_per_block > 1 ? plan.rows_per_block * a.cols * sizeof(acc_t) : size_t{0});
+  with_row_kernel<BackwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+    limit_to_one_wave(plan, limits,
+                      dev::resident_blocks_per_sm(kernel, plan.block_threads(), smem, limits.max_threads_per_sm));
+    // One partial row per block and gradient; the multi-pass kernel accumulates into them, so they start at zero.
+    const auto partial_options = a.x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+    auto partial = [&](const at::Tensor& grad) {
+      if (!grad.defined()) return at::Tensor();
+      return plan.multipass() ? at::zeros({plan.blocks, a.cols}, partial_options)
+                              : at::empty({plan.blocks, a.cols}, partial_options);
+    };
+    const at::Tensor partial_dweight = partial(a.dweight), partial_dbias = partial(a.dbias);
+    p.partial_dweight = mutable_data_or_null<acc_t>(partial_dweight);
+    p.partial_dbias = mutable_data_or_null<acc_t>(partial_dbias);
+    dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
+    if (a.dweight.defined() || a.dbias.defined()) launch_reduce_partials<acc_t, W>(p, a, plan.blocks, stream);
+  });
 }
 
 inline void launch_norm_backward(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {

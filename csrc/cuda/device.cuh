@@ -15,7 +15,9 @@
 #define TLN_KERNEL __global__
 // The most threads a kernel is launched with: the compiler keeps its registers
 // within what a block of that size can have, so the launch cannot fail for lack of them.
-#define TLN_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads)
+// One resident block is enough: without it ptxas trades spills for occupancy
+// (sm_90: 4-28 bytes around the division's slow-path call at 64 registers).
+#define TLN_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads, 1)
 #define TLN_DEVICE __device__ __forceinline__
 // Fixed-size shared memory for the block.
 #define TLN_STATIC_SHARED(type, name, count) __shared__ type name[count]
@@ -47,11 +49,57 @@ TLN_DEVICE T* dynamic_shared() {
   return reinterpret_cast<T*>(tln_dynamic_smem);
 }
 
+// Global and shared memory accesses: plain ones here; the emulated build counts them.
+struct Site {};
+#define TLN_SITE \
+  ::torch_ln::dev::Site {}
+template <typename T>
+TLN_DEVICE T load_global(const T* p, Site = TLN_SITE) {
+  return *p;
+}
+// Vectors of 16-byte multiples are stored 16 bytes at a time, in PTX: a struct
+// store is split into 32-bit ones before ptxas sees it (STG.32 x 4, not STG.128).
+// No "memory" clobber, so later loads may be issued ahead of the store; the
+// kernels never read a location back before a barrier (volatile asm and
+// __syncthreads keep their order), and outputs never alias inputs.
+template <typename T>
+TLN_DEVICE void store_global(T* p, const T& v, Site = TLN_SITE) {
+  if constexpr (sizeof(T) % 16 == 0 && alignof(T) >= 16) {
+    unsigned w[sizeof(T) / 4];
+    memcpy(w, &v, sizeof(T));
+#pragma unroll
+    for (size_t k = 0; k < sizeof(T) / 16; ++k) {
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 16 * k),
+                   "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+    }
+  } else {
+    *p = v;
+  }
+}
+template <typename T>
+TLN_DEVICE T load_shared(const T* p, Site = TLN_SITE) {
+  return *p;
+}
+template <typename T>
+TLN_DEVICE void store_shared(T* p, const T& v, Site = TLN_SITE) {
+  *p = v;
+}
+
 TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
 TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
 // A product rounded on its own, never fused into a following add.
 TLN_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 TLN_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// How many blocks of `threads` threads and `smem_bytes` of dynamic shared memory
+// an SM of the current device holds at once, by the kernel's registers and
+// shared memory (the occupancy API).
+template <typename... Params>
+int resident_blocks_per_sm(void (*kernel)(Params...), int threads, size_t smem_bytes, int /*max_threads_per_sm*/) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes));
+  return blocks;
+}
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
 template <typename... Params, typename... Args>
@@ -65,6 +113,7 @@ void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes,
 #else  // SIMT emulation on the CPU
 
 #include <cmath>
+#include <source_location>
 
 #include "../emulated/simt_emulator.h"
 
@@ -100,6 +149,31 @@ T* dynamic_shared() {
   return reinterpret_cast<T*>(emu::dynamic_shared_memory());
 }
 
+// Every access reports to the launch's traffic counters (simt_emulator.h), tagged
+// with the source line it comes from: a warp's accesses are grouped by line.
+using Site = std::source_location;
+#define TLN_SITE ::std::source_location::current()
+template <typename T>
+T load_global(const T* p, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Global, p, sizeof(T), false, {site.file_name(), site.line()});
+  return *p;
+}
+template <typename T>
+void store_global(T* p, const T& v, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Global, p, sizeof(T), true, {site.file_name(), site.line()});
+  *p = v;
+}
+template <typename T>
+T load_shared(const T* p, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Shared, p, sizeof(T), false, {site.file_name(), site.line()});
+  return *p;
+}
+template <typename T>
+void store_shared(T* p, const T& v, Site site = TLN_SITE) {
+  emu::record_access(emu::Space::Shared, p, sizeof(T), true, {site.file_name(), site.line()});
+  *p = v;
+}
+
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 template <typename T>
@@ -107,9 +181,15 @@ T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
   return a * b;
 }
 
+// The emulated device has no registers to count: blocks are limited by its threads per SM alone.
+template <typename... Params>
+int resident_blocks_per_sm(void (*)(Params...), int threads, size_t, int max_threads_per_sm) {
+  return max_threads_per_sm / threads;
+}
+
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {
-  emu::launch(grid, block, smem_bytes, [&] { kernel(args...); });
+  emu::launch(grid, block, smem_bytes, reinterpret_cast<const void*>(kernel), [&] { kernel(args...); });
 }
 
 }  // namespace torch_ln::dev

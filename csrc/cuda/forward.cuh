@@ -27,7 +27,7 @@ struct ForwardParams {
 };
 
 // The first read of one vector of a row (element offset i): x, or x + residual rounded to R (as torch's add
-// rounds), which is also stored to residual_out for the later passes.
+// rounds), which keep_input then stores to residual_out.
 template <int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   load_vec<VEC>(p.x + row * p.cols, i, v);
@@ -36,10 +36,16 @@ TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, 
   load_vec<VEC>(p.residual + row * p.cols, i, r);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(static_cast<R>(v[j] + r[j]));
-  store_vec<VEC>(p.residual_out + row * p.cols, i, v);
 }
 
-// A later read of one vector of the row load_input read: x, or residual_out (the same thread wrote it).
+// Stores x + residual to residual_out (for the caller, and for the later passes); nothing without a residual.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void keep_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, const acc_t (&v)[VEC]) {
+  if (p.residual != nullptr) store_vec<VEC>(p.residual_out + row * p.cols, i, v);
+}
+
+// A later read of one vector of the row load_input read: x, or residual_out (the same thread wrote it, before
+// the barrier of the row reduction in between).
 template <int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void load_stored(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   if (p.residual == nullptr) {
@@ -103,12 +109,16 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
     acc_t v[ITEMS][VEC];
+    // Every load of the row is issued before the first use or store: the loads are in flight together.
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (active && layout.vector(k) < nvec) load_input(p, row, layout.vector(k) * VEC, v[k]);
+    }
     acc_t sum = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int64_t c = layout.vector(k);
-      if (active && c < nvec) {
-        load_input(p, row, c * VEC, v[k]);
+      if (active && layout.vector(k) < nvec) {
+        keep_input(p, row, layout.vector(k) * VEC, v[k]);
         sum += vector_sum(v[k]);
       }
     }
@@ -123,8 +133,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     const acc_t rstd = rstd_from(row_sum(squares, p.threads_per_row, smem), p.cols, p.eps);
     if (!active) continue;
     if (layout.lane == 0) {
-      if (p.mean != nullptr) p.mean[row] = mean;
-      p.rstd[row] = rstd;
+      if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
+      dev::store_global(&p.rstd[row], rstd);
     }
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
@@ -149,6 +159,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
       acc_t sum = acc_t(0);
       for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
         load_input(p, row, c * VEC, v);
+        keep_input(p, row, c * VEC, v);
         sum += vector_sum(v);
       }
       mean = row_sum(sum, threads, smem) / static_cast<acc_t>(p.cols);
@@ -159,13 +170,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
         load_stored(p, row, c * VEC, v);
       } else {  // RMSNorm's first pass
         load_input(p, row, c * VEC, v);
+        keep_input(p, row, c * VEC, v);
       }
       squares += squared_deviations(v, mean);
     }
     const acc_t rstd = rstd_from(row_sum(squares, threads, smem), p.cols, p.eps);
     if (dev::thread_x() == 0) {
-      if (p.mean != nullptr) p.mean[row] = mean;
-      p.rstd[row] = rstd;
+      if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
+      dev::store_global(&p.rstd[row], rstd);
     }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
       load_stored(p, row, c * VEC, v);
@@ -177,7 +189,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
 // The forward's kernels by register tier, for launch_rows.
 template <typename T, typename W, typename acc_t, typename R>
 struct ForwardKernels {
-  static constexpr RegisterBudget budget = kForwardBudget;
+  static constexpr RegisterBudget budget = for_accumulator(kForwardBudget, sizeof(acc_t));
   template <NormKind K, int VEC, int ITEMS>
   static constexpr auto get() {
     if constexpr (ITEMS == 0) {

@@ -27,9 +27,11 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, kForwardBudget, limits, false);
+  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
   p.threads_per_row = plan.threads_per_row;
-  launch_rows<ForwardKernels<T, W, acc_t, R>, T, acc_t>(kind, plan, stream, p);
+  with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+    dev::launch(kernel, grid_of(plan), block_of(plan), plan.smem_bytes<acc_t>(), stream, p);
+  });
 }
 
 inline void launch_norm_forward(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {

@@ -45,25 +45,23 @@ T* mutable_data_or_null(const at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
 }
 
-// Launches the row kernel a plan calls for. Kernels names a direction's kernels:
-// Kernels::get<K, VEC, ITEMS>() is the register kernel for that tier, or the
-// multi-pass one for ITEMS == 0; Kernels::budget is its register budget. The
-// norm kind and the vector width (16 bytes of T, or 1 for the scalar path)
-// become compile-time constants here.
-template <typename Kernels, typename T, typename acc_t, typename Params>
-void launch_rows(NormKind kind, const RowPlan& plan, dev::Stream stream, const Params& params) {
-  const dev::Dim3 grid{static_cast<unsigned>(plan.blocks)}, block{static_cast<unsigned>(plan.block_threads())};
-  const size_t smem = plan.smem_bytes<acc_t>();
+// Calls f(kernel) with the row kernel a plan calls for. Kernels names a
+// direction's kernels: Kernels::get<K, VEC, ITEMS>() is the register kernel for
+// that tier, or the multi-pass one for ITEMS == 0; Kernels::budget is its
+// register budget. The norm kind and the vector width (16 bytes of T, or 1 for
+// the scalar path) become compile-time constants here.
+template <typename Kernels, typename T, typename F>
+void with_row_kernel(NormKind kind, const RowPlan& plan, F&& f) {
   auto with_kind_and_vec = [&](auto kind_c, auto vec_c) {
     constexpr NormKind K = decltype(kind_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr int kLargeItems = large_items(VEC, Kernels::budget);
     if (plan.multipass()) {
-      dev::launch(Kernels::template get<K, VEC, 0>(), grid, block, smem, stream, params);
+      f(Kernels::template get<K, VEC, 0>());
     } else if (plan.items == kSmallItems) {
-      dev::launch(Kernels::template get<K, VEC, kSmallItems>(), grid, block, smem, stream, params);
+      f(Kernels::template get<K, VEC, kSmallItems>());
     } else {
-      dev::launch(Kernels::template get<K, VEC, kLargeItems>(), grid, block, smem, stream, params);
+      f(Kernels::template get<K, VEC, kLargeItems>());
     }
   };
   auto with_kind = [&](auto kind_c) {
@@ -79,5 +77,8 @@ void launch_rows(NormKind kind, const RowPlan& plan, dev::Stream stream, const P
     with_kind(std::integral_constant<NormKind, NormKind::RMSNorm>{});
   }
 }
+
+inline dev::Dim3 grid_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.blocks)}; }
+inline dev::Dim3 block_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.block_threads())}; }
 
 }  // namespace torch_ln

@@ -19,21 +19,35 @@ constexpr int kVectorBytes = 16;        // one 128-bit load or store
 constexpr int kRowsBlockThreads = 128;  // block size when several rows share a block
 constexpr int kSmallItems = 2;          // vectors per thread for short rows
 
-// How much of a row a thread keeps in registers, per kernel family.
+// How much of a row a thread keeps in registers, per kernel family. Sized by
+// the register file (64K 32-bit registers per SM): a block of max_threads may
+// use 65536 / max_threads registers a thread, and the values it holds must fit
+// in them with room for addresses and indices (ptxas: no spills, no stack; the
+// tests check it for every instantiation).
 struct RegisterBudget {
-  int elems;        // elements per thread
-  int max_threads;  // threads per row (and per block) at most
+  int elems;         // accumulator values per thread, for a 4-byte accumulator, in 16-byte vectors
+  int scalar_elems;  // the same on the scalar path, where each value carries its own address and bounds check
+  int max_threads;   // threads per row (and per block) at most; the kernels' launch bounds
 };
-// The forward holds x: 32 values a thread, up to 1024 threads (<= 64 registers
-// a thread at full block size).
-constexpr RegisterBudget kForwardBudget{32, 1024};
-// The backward holds x, dy and the running weight/bias gradient sums: 4 x 16
-// values a thread, so blocks stop at 512 threads to stay within the register file.
-constexpr RegisterBudget kBackwardBudget{16, 512};
+// The forward holds x: 32 values a thread in up to 128 registers (512 threads;
+// at 1024 threads, 64 registers do not hold 32 values and their addresses), 8
+// on the scalar path (each value with its own address and bounds check).
+constexpr RegisterBudget kForwardBudget{32, 8, 512};
+// The backward holds x, dy, the weight and the running weight/bias gradient
+// sums: 5 x 16 values a thread, so blocks stop at 512 threads to stay within the
+// register file; 8 on the scalar path.
+constexpr RegisterBudget kBackwardBudget{16, 8, 512};
+
+// A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.
+constexpr RegisterBudget for_accumulator(RegisterBudget budget, int acc_bytes) {
+  return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads};
+}
 
 // The register tiers a kernel is compiled for, in vectors per thread: kSmallItems
 // and this one.
-constexpr int large_items(int vec, RegisterBudget budget) { return std::max(kSmallItems, budget.elems / vec); }
+constexpr int large_items(int vec, RegisterBudget budget) {
+  return std::max(kSmallItems, vec == 1 ? budget.scalar_elems : budget.elems / vec);
+}
 
 struct RowPlan {
   int vec;              // elements per access: a 16-byte vector, or 1 (the scalar path)
@@ -62,12 +76,10 @@ inline int next_pow2(int64_t n) {
 // Plans the row kernels for M rows of D elements of `elem_bytes` each.
 // `vectorizable`: every pointer involved is 16-byte aligned and each row starts
 // 16-byte aligned (D * elem_bytes % 16 == 0); otherwise the scalar path runs.
-// `single_wave` caps the grid at one wave of blocks on device `d` (the
-// backward, whose partial sums are one row per row-slot); rows beyond the grid
-// are handled by a grid-stride loop. The layout depends only on D, dtype and
-// alignment, never on M: that makes a row's result independent of its batch.
-inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget,
-                         const DeviceLimits& d, bool single_wave) {
+// Rows beyond the grid are handled by a grid-stride loop. The layout depends
+// only on D, dtype and alignment, never on M: that makes a row's result
+// independent of its batch.
+inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget) {
   RowPlan p{};
   p.vec = vectorizable ? kVectorBytes / elem_bytes : 1;
   const int64_t nvec = ceil_div(D, p.vec);
@@ -83,10 +95,16 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
     p.threads_per_row = budget.max_threads;
   }
   p.rows_per_block = std::max(1, kRowsBlockThreads / p.threads_per_row);
-  const int64_t max_blocks =
-      single_wave ? int64_t{d.num_sms} * std::max(1, d.max_threads_per_sm / p.block_threads()) : int64_t{1} << 30;
-  p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), max_blocks));
+  p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));
   return p;
+}
+
+// Caps the grid at the blocks the device holds at once (the backward: each
+// block writes a partial row per gradient, so blocks beyond one wave would only
+// add partial rows). `blocks_per_sm` is the kernel's occupancy at its launch
+// configuration, from the occupancy API.
+inline void limit_to_one_wave(RowPlan& p, const DeviceLimits& d, int blocks_per_sm) {
+  p.blocks = std::max<int64_t>(1, std::min(p.blocks, int64_t{d.num_sms} * std::max(1, blocks_per_sm)));
 }
 
 }  // namespace torch_ln

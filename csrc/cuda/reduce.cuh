@@ -19,18 +19,18 @@ struct alignas(sizeof(T) * VEC) Vec {
 
 // Loads VEC elements starting at element `i` of `p`, converted to acc_t.
 template <int VEC, typename acc_t, typename T>
-TLN_DEVICE void load_vec(const T* p, int64_t i, acc_t (&out)[VEC]) {
-  const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(p + i);
+TLN_DEVICE void load_vec(const T* p, int64_t i, acc_t (&out)[VEC], dev::Site site = TLN_SITE) {
+  const Vec<T, VEC> v = dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p + i), site);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = static_cast<acc_t>(v.v[j]);
 }
 
 template <int VEC, typename acc_t, typename T>
-TLN_DEVICE void store_vec(T* p, int64_t i, const acc_t (&in)[VEC]) {
+TLN_DEVICE void store_vec(T* p, int64_t i, const acc_t (&in)[VEC], dev::Site site = TLN_SITE) {
   Vec<T, VEC> v;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) v.v[j] = static_cast<T>(in[j]);
-  *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
+  dev::store_global(reinterpret_cast<Vec<T, VEC>*>(p + i), v, site);
 }
 
 // How the threads of a block map onto rows in the register kernels: threads
@@ -77,14 +77,14 @@ TLN_DEVICE void row_sum2(acc_t& a, acc_t& b, int threads_per_row, acc_t* smem) {
   const int warps_per_row = threads_per_row / dev::kWarpSize;
   const int first_warp = warp / warps_per_row * warps_per_row;
   if (dev::thread_x() % dev::kWarpSize == 0) {
-    smem[2 * warp] = a;
-    smem[2 * warp + 1] = b;
+    dev::store_shared(&smem[2 * warp], a);
+    dev::store_shared(&smem[2 * warp + 1], b);
   }
   dev::sync_threads();
   a = b = acc_t(0);
   for (int w = first_warp; w < first_warp + warps_per_row; ++w) {
-    a += smem[2 * w];
-    b += smem[2 * w + 1];
+    a += dev::load_shared(&smem[2 * w]);
+    b += dev::load_shared(&smem[2 * w + 1]);
   }
   dev::sync_threads();  // smem is reused by the next reduction
 }

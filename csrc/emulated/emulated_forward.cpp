@@ -4,7 +4,7 @@
 namespace torch_ln {
 
 void emulated_norm_forward(NormKind kind, const ForwardArgs& args) {
-  launch_norm_forward(kind, args, kEmulatedDevice, dev::Stream{});
+  launch_norm_forward(kind, args, emulated_device(), dev::Stream{});
 }
 
 }  // namespace torch_ln

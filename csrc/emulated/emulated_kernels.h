@@ -7,8 +7,11 @@
 namespace torch_ln {
 
 // A small pretend GPU: two SMs, so that the backward's weight-gradient partial
-// sums span several slots with several rows each even on small inputs.
+// sums span several slots with several rows each even on small inputs. The
+// kernel model (benchmarks/kernel_model.py) changes it through
+// torch_ln_emulated::set_device.
 constexpr DeviceLimits kEmulatedDevice{2, 2048};
+DeviceLimits& emulated_device();
 
 void emulated_norm_forward(NormKind kind, const ForwardArgs& args);
 void emulated_norm_backward(NormKind kind, const BackwardArgs& args);

@@ -1,16 +1,86 @@
 // The test-only emulated build: the CUDA kernels and their launch planning,
 // compiled by the host compiler against the SIMT emulation, registered as the
-// operators of a separate library (torch_ln_emulated) on CPU tensors.
+// operators of a separate library (torch_ln_emulated) on CPU tensors, with the
+// emulator's traffic counters and the launch planning exposed for the kernel model.
+#include <vector>
+
+#include "../cuda/backward.cuh"
+#include "../cuda/forward.cuh"
 #include "../norm_ops.h"
 #include "emulated_kernels.h"
 
 namespace torch_ln {
 
+DeviceLimits& emulated_device() {
+  static DeviceLimits limits = kEmulatedDevice;
+  return limits;
+}
+
 struct EmulatedBackend {
   static constexpr NormKernels kernels{&emulated_norm_forward, &emulated_norm_backward};
 };
 
-TORCH_LIBRARY(torch_ln_emulated, m) { define_norm_schemas(m); }
+namespace {
+
+void set_device(int64_t num_sms, int64_t max_threads_per_sm) {
+  TORCH_CHECK(num_sms > 0 && max_threads_per_sm > 0, "set_device: expected positive limits, got num_sms=", num_sms,
+              ", max_threads_per_sm=", max_threads_per_sm);
+  emulated_device() = {static_cast<int>(num_sms), static_cast<int>(max_threads_per_sm)};
+}
+
+// The plan the launchers make on the emulated device: vec, items, threads_per_row, rows_per_block, blocks. The
+// backward's grid is one wave at `blocks_per_sm` (its kernel's occupancy; 0: by the device's threads per SM, as
+// the emulated launch counts it).
+std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable,
+                          int64_t blocks_per_sm) {
+  TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
+              "'");
+  const bool fwd = direction == "fwd";
+  const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
+  RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
+                        for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes));
+  if (!fwd) {
+    const DeviceLimits& d = emulated_device();
+    limit_to_one_wave(p, d, blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads());
+  }
+  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks};
+}
+
+void set_counting(bool on) { emu::set_counting(on); }
+
+void set_l2_model(double l2_bytes, int64_t concurrent_blocks) { emu::set_l2_model(l2_bytes, concurrent_blocks); }
+
+void set_block_sample(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0, "set_block_sample: expected blocks >= 0, got ", blocks);
+  emu::set_block_sample(static_cast<unsigned>(blocks));
+}
+
+std::string take_launch_log() { return emu::take_launch_log(); }
+
+// Names the tensors whose traffic each launch reports apart (empty: none).
+void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors) {
+  TORCH_CHECK(names.size() == tensors.size(), "set_regions: expected a name per tensor, got ", names.size(),
+              " names for ", tensors.size(), " tensors");
+  std::vector<emu::Region> regions;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto begin = reinterpret_cast<uintptr_t>(tensors[i].const_data_ptr());
+    regions.push_back({names[i], begin, begin + tensors[i].nbytes()});
+  }
+  emu::set_regions(std::move(regions));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(torch_ln_emulated, m) {
+  define_norm_schemas(m);
+  m.def("set_device", &set_device);
+  m.def("plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0) -> int[]", &plan);
+  m.def("set_counting", &set_counting);
+  m.def("set_l2_model", &set_l2_model);
+  m.def("take_launch_log", &take_launch_log);
+  m.def("set_regions", &set_regions);
+  m.def("set_block_sample", &set_block_sample);
+}
 
 TORCH_LIBRARY_IMPL(torch_ln_emulated, CPU, m) { register_norm_ops<EmulatedBackend>(m); }
 

@@ -1,7 +1,11 @@
 #include "simt_emulator.h"
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +14,8 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace torch_ln::emu {
@@ -100,15 +106,231 @@ thread_local ThreadContext* current_thread = nullptr;
 
 std::mutex launch_mutex;
 
+constexpr uint64_t kSectorBytes = 32;
+constexpr int kBanks = 32, kBankBytes = 4;
+// H200 (the model's GPU): SMs and resident threads per SM, for the default
+// number of blocks in flight.
+constexpr int64_t kModelSms = 132, kModelThreadsPerSm = 2048;
+
+struct Access {
+  uintptr_t address;
+  uint32_t bytes;
+  bool store;
+  Space space;
+  Site site;
+  // Bytes this thread accessed since it last touched this access's first
+  // sector, or -1 if it never did in this block.
+  int64_t reuse_distance;
+};
+
+// One emulated thread's accesses in the current block.
+struct ThreadTrace {
+  std::vector<Access> accesses;
+  std::unordered_map<uint64_t, uint64_t> last_touch;  // sector -> `position` after touching it
+  uint64_t position = 0;                              // bytes accessed so far
+};
+
+// Counters of one launch.
+struct LaunchTraffic {
+  uint64_t load_bytes = 0, store_bytes = 0, load_requests = 0, store_requests = 0;
+  // Requests of a sector's worth of distinct bytes or more (the row and
+  // parameter streams): their distinct bytes and the sectors they touch.
+  uint64_t coalesced_bytes = 0, coalesced_sector_bytes = 0;
+  uint64_t scalar_requests = 0;  // requests below a sector: per-row scalars, broadcasts
+  uint64_t dram_read_bytes = 0, dram_write_bytes = 0;
+  uint64_t shared_requests = 0, bank_conflicts = 0, barriers = 0;
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;   // [begin, end) of every global access
+  std::unordered_map<uint64_t, bool> sectors;            // every global sector touched -> dirty in L2
+  std::vector<std::pair<uint64_t, uint64_t>> by_region;  // load and store bytes per region, then "other"
+};
+
+std::vector<Region> regions;  // sorted by begin
+
+// The region an address falls in, or regions.size() for none.
+size_t region_of(uintptr_t address) {
+  auto it = std::upper_bound(regions.begin(), regions.end(), address,
+                             [](uintptr_t a, const Region& r) { return a < r.begin; });
+  if (it == regions.begin() || address >= std::prev(it)->end) return regions.size();
+  return static_cast<size_t>(std::prev(it) - regions.begin());
+}
+
+bool counting = false;         // set between launches, under launch_mutex
+double model_l2_bytes = 50e6;  // H200: 60 MB of L2, about 50 MB usable by one stream
+int64_t model_concurrent_blocks = 0;
+unsigned block_sample = 0;  // 0: run every block
+std::vector<std::string> launch_log;
+
+// The DRAM estimate, by sector. The first touch of a sector in a launch reads it
+// from DRAM (a load) or leaves it dirty (a store; written back once at the end).
+// A re-access by the same thread hits L2 unless the bytes the whole GPU touches
+// in between exceed the L2: this thread's bytes in between x the threads of the
+// block x the blocks in flight (every thread of every resident block streams at
+// the same pace). A miss re-reads the sector (a load) and writes back the dirty
+// copy it lost. A sector first touched by another thread (the parameters every
+// row reads, a partial row another block wrote) is taken to be an L2 hit: such
+// data is shared by the blocks in flight, so it stays hot.
+void account_dram(LaunchTraffic& t, uint64_t sector, bool store, int64_t own_distance, double bytes_per_block_slot) {
+  auto [it, first] = t.sectors.try_emplace(sector, false);
+  bool& dirty = it->second;
+  if (first) {
+    if (!store) t.dram_read_bytes += kSectorBytes;
+  } else if (own_distance >= 0 && own_distance * bytes_per_block_slot > model_l2_bytes) {
+    if (dirty) t.dram_write_bytes += kSectorBytes;
+    dirty = false;
+    if (!store) t.dram_read_bytes += kSectorBytes;
+  }
+  if (store) dirty = true;
+}
+
+// One warp-wide request: the accesses of the lanes that made it.
+void account_request(LaunchTraffic& t, const std::vector<const Access*>& lanes, double bytes_per_block_slot) {
+  const Access& first = *lanes.front();
+  for (const Access* a : lanes) {
+    if (a->bytes != first.bytes || a->store != first.store) {
+      fail(std::string("warp-divergent access sequence at ") + first.site.file + ":" + std::to_string(first.site.line) +
+           ": lanes differ in width or direction");
+    }
+  }
+  if (first.space == Space::Shared) {
+    // Distinct 4-byte words per bank; a bank serves one word per cycle (the same word is a broadcast).
+    std::vector<uintptr_t> words;
+    for (const Access* a : lanes) {
+      for (uintptr_t w = a->address / kBankBytes; w <= (a->address + a->bytes - 1) / kBankBytes; ++w)
+        words.push_back(w);
+    }
+    std::sort(words.begin(), words.end());
+    words.erase(std::unique(words.begin(), words.end()), words.end());
+    int per_bank[kBanks] = {};
+    for (uintptr_t w : words) ++per_bank[w % kBanks];
+    t.shared_requests += 1;
+    t.bank_conflicts += *std::max_element(per_bank, per_bank + kBanks) - 1;
+    return;
+  }
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const Access* a : lanes) {
+    (first.store ? t.store_bytes : t.load_bytes) += a->bytes;
+    auto& region = t.by_region[region_of(a->address)];
+    (first.store ? region.second : region.first) += a->bytes;
+    ranges.emplace_back(a->address, a->address + a->bytes);
+    t.ranges.emplace_back(a->address, a->address + a->bytes);
+  }
+  (first.store ? t.store_requests : t.load_requests) += 1;
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t distinct = 0;
+  uintptr_t covered = 0;
+  for (auto [b, e] : ranges) {
+    if (e > covered) distinct += e - std::max(b, covered), covered = e;
+  }
+  // Sectors of the request, each with the shortest own-thread reuse distance among the lanes touching it.
+  std::unordered_map<uint64_t, int64_t> sectors;
+  for (const Access* a : lanes) {
+    for (uint64_t s = a->address / kSectorBytes; s <= (a->address + a->bytes - 1) / kSectorBytes; ++s) {
+      auto [it, fresh] = sectors.try_emplace(s, a->reuse_distance);
+      if (!fresh && a->reuse_distance >= 0 && (it->second < 0 || a->reuse_distance < it->second)) {
+        it->second = a->reuse_distance;
+      }
+    }
+  }
+  if (distinct >= kSectorBytes) {
+    t.coalesced_bytes += distinct;
+    t.coalesced_sector_bytes += sectors.size() * kSectorBytes;
+  } else {
+    t.scalar_requests += 1;
+  }
+  for (auto [sector, distance] : sectors) account_dram(t, sector, first.store, distance, bytes_per_block_slot);
+}
+
+// A warp-wide request: the n-th access of the lanes from one source line.
+struct RequestKey {
+  const char* file;
+  unsigned line;
+  Space space;
+  uint32_t occurrence;
+  bool operator==(const RequestKey&) const = default;
+};
+struct RequestKeyHash {
+  size_t operator()(const RequestKey& k) const {
+    return std::hash<const void*>()(k.file) ^ (size_t{k.line} << 1) ^ (size_t(k.space) << 20) ^
+           (size_t{k.occurrence} * 0x9E3779B97F4A7C15ull);
+  }
+};
+
+std::string regions_json(const LaunchTraffic& t, double scale) {
+  auto scaled = [scale](uint64_t v) { return std::to_string(static_cast<uint64_t>(std::llround(v * scale))); };
+  std::string out;
+  for (size_t i = 0; i < t.by_region.size(); ++i) {
+    if (t.by_region[i].first + t.by_region[i].second == 0) continue;
+    out += (out.empty() ? "\"" : ",\"") + (i < regions.size() ? regions[i].name : std::string("other")) + "\":[" +
+           scaled(t.by_region[i].first) + "," + scaled(t.by_region[i].second) + "]";
+  }
+  return out;
+}
+
+std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, Dim3 block, size_t smem,
+                        int64_t concurrent_blocks, double scale) {
+  std::string name = "?";
+  Dl_info info;
+  if (dladdr(kernel, &info) != 0 && info.dli_sname != nullptr) name = info.dli_sname;
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges = t.ranges;
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t unique = 0;
+  uintptr_t covered = 0;
+  for (auto [b, e] : ranges) {
+    if (e > covered) unique += e - std::max(b, covered), covered = e;
+  }
+  uint64_t dirty_at_end = 0;
+  for (const auto& [sector, dirty] : t.sectors) dirty_at_end += dirty;
+  auto field = [scale](const char* key, uint64_t v) {
+    return std::string(",\"") + key + "\":" + std::to_string(static_cast<uint64_t>(std::llround(v * scale)));
+  };
+  const std::string shape = ",\"grid\":" + std::to_string(uint64_t{grid.x} * grid.y * grid.z) +
+                            ",\"block_threads\":" + std::to_string(uint64_t{block.x} * block.y * block.z) +
+                            ",\"dynamic_smem\":" + std::to_string(smem);
+  return std::string("{\"kernel\":\"") + name + "\"" + shape + field("load_bytes", t.load_bytes) +
+         field("store_bytes", t.store_bytes) + field("load_requests", t.load_requests) +
+         field("store_requests", t.store_requests) + field("coalesced_bytes", t.coalesced_bytes) +
+         field("coalesced_sector_bytes", t.coalesced_sector_bytes) + field("scalar_requests", t.scalar_requests) +
+         field("unique_bytes", unique) + field("dram_read_bytes", t.dram_read_bytes) +
+         field("dram_write_bytes", t.dram_write_bytes + dirty_at_end * kSectorBytes) +
+         field("shared_requests", t.shared_requests) + field("bank_conflicts", t.bank_conflicts) +
+         field("barriers", t.barriers) + ",\"concurrent_blocks\":" + std::to_string(concurrent_blocks) +
+         ",\"regions\":{" + regions_json(t, scale) + "}}";
+}
+
 }  // namespace
 
 class BlockState {
  public:
-  BlockState(unsigned threads, size_t smem_bytes) : barrier(threads), warps(threads / kWarpSize), smem(smem_bytes) {}
+  BlockState(unsigned threads, size_t smem_bytes)
+      : barrier(threads), warps(threads / kWarpSize), smem(smem_bytes), traces(threads) {}
+
+  // Groups each warp's accesses into requests and counts them; clears the traces.
+  void account(LaunchTraffic& t, double bytes_per_block_slot) {
+    t.barriers += syncs;
+    syncs = 0;
+    for (size_t w = 0; w < warps.size(); ++w) {
+      std::unordered_map<RequestKey, size_t, RequestKeyHash> index;  // -> position in `requests`
+      std::vector<std::vector<const Access*>> requests;
+      for (unsigned lane = 0; lane < kWarpSize; ++lane) {
+        std::unordered_map<RequestKey, uint32_t, RequestKeyHash> occurrences;
+        for (const Access& a : traces[w * kWarpSize + lane].accesses) {
+          RequestKey key{a.site.file, a.site.line, a.space, 0};
+          key.occurrence = occurrences[key]++;
+          auto [it, fresh] = index.try_emplace(key, requests.size());
+          if (fresh) requests.emplace_back();
+          requests[it->second].push_back(&a);
+        }
+      }
+      for (const auto& lanes : requests) account_request(t, lanes, bytes_per_block_slot);
+    }
+    for (ThreadTrace& trace : traces) trace = ThreadTrace{};
+  }
 
   Barrier barrier;
   std::vector<Warp> warps;
   std::vector<unsigned char> smem;
+  std::vector<ThreadTrace> traces;
+  uint64_t syncs = 0;  // __syncthreads of the current block
 };
 
 ThreadContext& this_thread() {
@@ -116,7 +338,57 @@ ThreadContext& this_thread() {
   return *current_thread;
 }
 
-void sync_threads() { this_thread().block->barrier.arrive_and_wait("__syncthreads"); }
+void sync_threads() {
+  ThreadContext& t = this_thread();
+  if (counting && t.linear_tid == 0) ++t.block->syncs;
+  t.block->barrier.arrive_and_wait("__syncthreads");
+}
+
+void record_access(Space space, const void* address, size_t bytes, bool store, Site site) {
+  if (!counting) return;
+  ThreadContext& t = this_thread();
+  ThreadTrace& trace = t.block->traces[t.linear_tid];
+  const auto a = reinterpret_cast<uintptr_t>(address);
+  int64_t distance = -1;
+  if (space == Space::Global) {
+    trace.position += bytes;
+    const uint64_t sector = a / kSectorBytes;
+    auto [it, fresh] = trace.last_touch.try_emplace(sector, trace.position);
+    if (!fresh) distance = static_cast<int64_t>(trace.position - it->second);
+    it->second = trace.position;
+  }
+  trace.accesses.push_back({a, static_cast<uint32_t>(bytes), store, space, site, distance});
+}
+
+void set_counting(bool on) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  counting = on;
+}
+
+void set_l2_model(double l2_bytes, int64_t concurrent_blocks) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  model_l2_bytes = l2_bytes;
+  model_concurrent_blocks = concurrent_blocks;
+}
+
+void set_block_sample(unsigned blocks) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  block_sample = blocks;
+}
+
+void set_regions(std::vector<Region> named) {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  std::sort(named.begin(), named.end(), [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  regions = std::move(named);
+}
+
+std::string take_launch_log() {
+  const std::lock_guard<std::mutex> serialize(launch_mutex);
+  std::string out = "[";
+  for (size_t i = 0; i < launch_log.size(); ++i) out += (i ? ",\n" : "") + launch_log[i];
+  launch_log.clear();
+  return out + "]";
+}
 
 uint64_t warp_exchange(uint64_t value, unsigned src_lane) {
   ThreadContext& t = this_thread();
@@ -133,7 +405,7 @@ unsigned char* dynamic_shared_memory() {
   return smem.empty() ? nullptr : smem.data();
 }
 
-void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const std::function<void()>& body) {
+void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024 || threads % kWarpSize != 0) {
     throw std::invalid_argument("SIMT emulator: a block needs a multiple of 32 threads, at most 1024; got " +
@@ -142,12 +414,23 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const std::functio
   const std::lock_guard<std::mutex> serialize(launch_mutex);
   BlockState state(threads, dynamic_smem_bytes);
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
+  const int64_t concurrent_blocks =
+      model_concurrent_blocks > 0
+          ? model_concurrent_blocks
+          : std::min<int64_t>(blocks, kModelSms * std::max<int64_t>(1, kModelThreadsPerSm / threads));
+  // Global bytes per byte one thread accesses, across the GPU (see account_dram).
+  const double bytes_per_block_slot = static_cast<double>(threads) * concurrent_blocks;
+  // With sampling on, only the first blocks of each grid row run, and the counters are scaled to the whole grid.
+  const unsigned sampled_x = block_sample > 0 ? std::min<unsigned>(grid.x, block_sample) : grid.x;
+  LaunchTraffic traffic;
+  traffic.by_region.resize(regions.size() + 1);
 
   auto run_thread = [&](unsigned tid) {
     ThreadContext ctx{
         {tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)}, {}, block, grid, &state, tid};
     current_thread = &ctx;
     for (uint64_t b = 0; b < blocks; ++b) {
+      if (b % grid.x >= sampled_x) continue;
       ctx.block_idx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
                        static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
       // Shared memory is uninitialized on a GPU: poison it for each block.
@@ -155,6 +438,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const std::functio
       state.barrier.arrive_and_wait("block start");
       body();
       state.barrier.arrive_and_wait("block end");
+      // The other threads wait at the next block start (or the join) meanwhile.
+      if (tid == 0 && counting) state.account(traffic, bytes_per_block_slot);
     }
     current_thread = nullptr;
   };
@@ -164,6 +449,9 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const std::functio
   pool.reserve(threads);
   for (unsigned tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, tid);
   for (auto& t : pool) t.join();
+  if (counting)
+    launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks,
+                                   static_cast<double>(grid.x) / sampled_x));
 }
 
 }  // namespace torch_ln::emu

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace torch_ln::emu {
 
@@ -47,7 +49,51 @@ unsigned char* dynamic_shared_memory();
 
 // Runs `body` as a grid of `grid` blocks of `block` threads. Launches are
 // serialized; the threads of a block must be a multiple of the warp size.
-void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const std::function<void()>& body);
+// `kernel` names the launch in the traffic log (its symbol).
+void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body);
+
+// Traffic counters. Every global and shared access of a kernel reports here with
+// the source line it comes from. At the end of each block the accesses of each
+// warp are grouped into warp-wide requests: the n-th access a lane makes from a
+// source line joins the n-th access of every other lane of the warp from that
+// line (what one instruction of a warp does on a GPU; the kernels' access
+// sequences are warp-uniform, and a group whose lanes disagree on the access's
+// width or direction aborts). Per launch: requested bytes, 32-byte sectors,
+// unique bytes, a DRAM estimate, shared-memory bank conflicts and barriers; see
+// simt_emulator.cpp for the L2 model behind the DRAM estimate.
+enum class Space { Global, Shared };
+struct Site {
+  const char* file;
+  unsigned line;
+};
+void record_access(Space space, const void* address, size_t bytes, bool store, Site site);
+
+// Counting is off unless switched on (the kernel model and the traffic tests):
+// the other emulated runs pay nothing for it.
+void set_counting(bool on);
+
+// The L2 model of the DRAM estimate: `l2_bytes` of cache shared by
+// `concurrent_blocks` blocks in flight (0: as many as fit on an H200 by threads
+// alone, at most the grid).
+void set_l2_model(double l2_bytes, int64_t concurrent_blocks);
+
+// For the kernel model only: run just the first `blocks` blocks of each row of
+// a grid (0: all) and scale the counters to the whole grid. Valid for launches
+// whose blocks along x do alike work on disjoint data (the backward's reduce);
+// the results of the skipped blocks are never computed.
+void set_block_sample(unsigned blocks);
+
+// Names address ranges [begin, end) (a tensor each): every launch then also
+// reports the bytes it loads and stores in each, and in none of them ("other").
+struct Region {
+  std::string name;
+  uintptr_t begin, end;
+};
+void set_regions(std::vector<Region> regions);
+
+// The counters of every launch since the last call, as a JSON list (one object
+// per launch); clears them.
+std::string take_launch_log();
 
 // __shfl_xor_sync over the full warp: the value held by lane (this lane ^ lane_mask).
 template <typename T>

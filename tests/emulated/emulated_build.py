@@ -1,8 +1,9 @@
 """Builds the emulated-CUDA test library (csrc/emulated) and loads it into this process.
 
-Under AddressSanitizer (the ASan runtime preloaded, as scripts/test.sh does) it is
+Under AddressSanitizer (the ASan runtime preloaded, as scripts/run.sh does) it is
 built with ASan and UBSan, so an out-of-bounds access in a kernel fails the test;
-without it, it is built plainly, so `pytest tests` runs the emulation anywhere.
+with TORCH_LN_COVERAGE=1 (and no ASan) it is built for gcov (tests/gates reads what ran);
+otherwise it is built plainly, so `pytest tests` runs the emulation anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ SOURCES = [
     "csrc/emulated/emulated_backward.cpp",
 ]
 SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+# Emulated threads are OS threads: the counters must be updated atomically. -O1: the emulator's barriers and
+# thread switches dominate the run time; constant branches folded away are not arms of the kernels.
+COVERAGE = ["--coverage", "-fprofile-update=atomic", "-O1"]
+COVERAGE_DIR = ROOT / "build" / "torch_ln_emulated_coverage"
+
+
+def coverage_requested() -> bool:
+    return os.environ.get("TORCH_LN_COVERAGE", "0") not in ("", "0")
 
 
 def asan_loaded() -> bool:
@@ -29,18 +38,23 @@ def asan_loaded() -> bool:
 
 
 def load() -> bool:
-    """Builds (if needed) and loads the library; returns whether it is sanitized."""
+    """Builds (if needed) and loads the library; returns whether it is sanitized. The coverage build has no
+    sanitizers: their checks would count as branches of the kernels."""
     sanitized = asan_loaded()
+    coverage = coverage_requested() and not sanitized
     name = "torch_ln_emulated_asan" if sanitized else "torch_ln_emulated"
-    build_dir = ROOT / "build" / name
+    build_dir = COVERAGE_DIR if coverage else ROOT / "build" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     # -ffp-contract=off as in setup.py: the emulated kernels round like the CUDA ones (mul_rn).
-    flags = ["-ffp-contract=off", *(["-O1", "-g", *SANITIZERS] if sanitized else ["-O2"])]
+    flags = ["-ffp-contract=off", *(["-O1", "-g", *SANITIZERS] if sanitized else COVERAGE if coverage else ["-O2"])]
+    if coverage:  # counts from this run only
+        for stale in build_dir.glob("*.gcda"):
+            stale.unlink()
     cpp_extension.load(
         name=name,
         sources=[str(ROOT / s) for s in SOURCES],
         extra_cflags=flags,
-        extra_ldflags=SANITIZERS if sanitized else [],
+        extra_ldflags=SANITIZERS if sanitized else ["--coverage"] if coverage else [],
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=os.environ.get("TORCH_LN_VERBOSE_BUILD") == "1",

@@ -1,7 +1,7 @@
 """The CUDA kernels, run on the CPU under the SIMT emulation (csrc/emulated).
 
 The kernels, their launch planning and their host launchers are the exact code
-the CUDA build compiles; only the device layer differs. scripts/test.sh runs this
+the CUDA build compiles; only the device layer differs. scripts/run.sh runs this
 file under AddressSanitizer and UndefinedBehaviorSanitizer, so an out-of-bounds
 or misaligned access fails it. The emulated device has 2 SMs of 2048 threads.
 
@@ -10,8 +10,9 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
 - a warp per row, 4 rows per block (tpr = 32): D=1024 float32 (256 vectors / 8)
 - several warps per row, 2 rows per block (tpr = 64, cross-warp reduction): D=2048 float32
 - a block per row (tpr >= 128): D=4096 bfloat16 (512 vectors / 4 = 128)
-- forward multi-pass: D=40000 float32 (> 8 x 1024 vectors of 4), D=33001 (scalar, > 32 x 1024);
-  backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512)
+- forward multi-pass: D=40000 float32 (> 8 x 512 vectors of 4), D=33001 (scalar, > 32 x 512);
+  backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512);
+  every dtype, vectors and scalar: forward D=16392 and 16411, backward D=8200 and 8209
 - 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600
@@ -80,6 +81,12 @@ def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True), **roundin
     y, rstd = ops.rms_norm_fwd(x, shape, weight, eps, **rounding)
     dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]), **rounding)
     return [y, dx, dw, None], (rstd,)
+
+
+def _emulated_forward(kind, x, weight, bias, eps):
+    if kind == "layer":
+        return ops.layer_norm_fwd(x, [x.shape[-1]], weight, bias, eps)[0]
+    return ops.rms_norm_fwd(x, [x.shape[-1]], weight, eps)[0]
 
 
 def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5, **rounding):
@@ -163,6 +170,51 @@ def test_layouts_every_dtype(kind, affine, dtype, param_dtype, rows, cols):
 def test_long_rows(kind, dtype, rows, cols):
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
     _check_against_torch(kind, x, weight, bias, dy)
+
+
+# D just past every register tier, in 16-byte vectors of every dtype and on the scalar path (a prime D), so that
+# every dtype's multi-pass kernels run. The forward keeps 32 float32 (16 float64) values a thread x 512 threads in
+# registers, 16 on the scalar path: 16392 = 8 * 2049 and the prime 16411. The backward keeps 16 (8): 8200 = 8 * 1025
+# and the prime 8209; a backward call also runs the forward and the reduce (2 x D / 32 blocks: slow to emulate),
+# so the backward cases are the shortest rows that reach its multi-pass path.
+FORWARD_MULTIPASS_COLS = [16392, 16411]
+BACKWARD_MULTIPASS_COLS = [8200, 8209]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize("cols", FORWARD_MULTIPASS_COLS)
+def test_forward_multipass_every_dtype(kind, dtype, param_dtype, cols):
+    x, weight, bias, _ = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
+    eps = 1e-5
+    y = _emulated_forward(kind, x, weight, bias, eps)
+    ref = _torch_norm(kind, eps)
+    exact = ref(x.double(), weight.double(), bias.double() if bias is not None else None)
+    err_ours = (y.double() - exact).abs().max().item()
+    err_torch = (ref(x, weight, bias).double() - exact).abs().max().item()
+    # As in _check_against_torch: at most twice torch's error in the same dtype, plus the floor.
+    assert err_ours <= 2 * err_torch + FLOOR[dtype]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize("cols", BACKWARD_MULTIPASS_COLS)
+def test_backward_multipass_every_dtype(kind, dtype, param_dtype, cols):
+    x, weight, bias, dy = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_multipass_without_weight_or_dx(kind):
+    # The multi-pass backward's arms without a weight, and without dx (only the parameter gradients).
+    cols = BACKWARD_MULTIPASS_COLS[0]
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, kind == "layer"))
+    _check_against_torch(kind, x, weight, bias, dy)
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    no_dx, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(False, True, True))
+    assert no_dx[1].numel() == 0 and torch.equal(no_dx[2], full[2])
+    assert no_dx[3] is None or torch.equal(no_dx[3], full[3])
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -278,10 +330,26 @@ def test_residual_add_is_the_plain_norm_of_the_sum(kind, dtype, rows, cols):
     assert db is None or torch.equal(db, plain[3])
 
 
+# Every kernel tier of the float32 residual stream under half/bfloat16 input, each parameter dtype: the scalar path
+# in a warp (7) and in registers (1021, prime), 16-byte vectors in a warp (64) and in a block (1024), the backward's
+# multi-pass path (16384, and 4099 on the scalar path, also the forward's) and the forward's (40000).
+FLOAT32_STREAM_SHAPES = [(5, 7), (3, 64), (2, 1021), (6, 1024), (2, 4099), (2, 16384), (1, 40000)]
+REDUCED_PRECISION_ADD_CASES = [
+    *(
+        (dtype, param_dtype, None, rows, cols)
+        for dtype, param_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]
+        for rows, cols in [(5, 7), (6, 1024), (2, 16384), (1, 40000)]
+    ),
+    *(
+        (dtype, param_dtype, torch.float32, rows, cols)
+        for dtype, param_dtype in DTYPES[2:]
+        for rows, cols in FLOAT32_STREAM_SHAPES
+    ),
+]
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-@pytest.mark.parametrize("residual_dtype", [None, torch.float32])
-@pytest.mark.parametrize("dtype,param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
-@pytest.mark.parametrize("rows,cols", [(5, 7), (6, 1024), (2, 16384), (1, 40000)])
+@pytest.mark.parametrize("dtype,param_dtype,residual_dtype,rows,cols", REDUCED_PRECISION_ADD_CASES)
 def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols):
     """half/bfloat16 input, residual_out in the input's dtype or float32 (float32 vectors of 8 elements: 32-byte
     accesses): residual_out bitwise torch's add; y, d(residual_out) and the parameter gradients within FLOOR of the
@@ -306,9 +374,9 @@ def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype
             torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=floor, rtol=floor)
 
 
-@pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/test.sh requires them")
+@pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/run.sh requires them")
 def test_sanitizers_active():
-    # scripts/test.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
+    # scripts/run.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
     # preload the build would silently be the plain one.
     assert SANITIZED
 
