@@ -69,8 +69,8 @@ TLN_DEVICE void store_global(T* p, const T& v, Site = TLN_SITE) {
     memcpy(w, &v, sizeof(T));
 #pragma unroll
     for (size_t k = 0; k < sizeof(T) / 16; ++k) {
-      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 16 * k),
-                   "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 16 * k), "r"(w[4 * k]),
+                   "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
     }
   } else {
     *p = v;

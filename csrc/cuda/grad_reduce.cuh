@@ -46,7 +46,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kReduceVectors* kReduceStripes)
     acc_t total[VEC] = {};
     for (int s = 0; s < kReduceStripes; ++s) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) total[j] += dev::load_shared(&stripes[(s * VEC + j) * kReduceVectors + dev::thread_x()]);
+      for (int j = 0; j < VEC; ++j)
+        total[j] += dev::load_shared(&stripes[(s * VEC + j) * kReduceVectors + dev::thread_x()]);
     }
     store_vec<VEC>(out, v * VEC, total);
   }

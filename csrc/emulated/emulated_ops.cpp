@@ -41,7 +41,8 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
                         for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes));
   if (!fwd) {
     const DeviceLimits& d = emulated_device();
-    limit_to_one_wave(p, d, blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads());
+    limit_to_one_wave(p, d,
+                      blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads());
   }
   return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks};
 }
@@ -74,7 +75,8 @@ void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors
 TORCH_LIBRARY(torch_ln_emulated, m) {
   define_norm_schemas(m);
   m.def("set_device", &set_device);
-  m.def("plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0) -> int[]", &plan);
+  m.def("plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0) -> int[]",
+        &plan);
   m.def("set_counting", &set_counting);
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);

@@ -451,7 +451,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
   for (auto& t : pool) t.join();
   if (counting)
     launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks,
-                                   static_cast<double>(grid.x) / sampled_x));
+                                     static_cast<double>(grid.x) / sampled_x));
 }
 
 }  // namespace torch_ln::emu

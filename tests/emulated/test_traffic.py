@@ -49,7 +49,7 @@ def test_traffic(op, mode, dtype, cols):
         assert efficiency == 1.0, f"{launch['kernel']}: sector efficiency {efficiency:.3f}"
         assert launch["bank_conflicts"] == 0, launch["kernel"]
     elem = dtype.itemsize
-    _, items, _, rpb, blocks = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
+    _, items, _, _, blocks = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
     if items == 0:
         return  # the multi-pass paths re-read rows by design (issue 10); the model reports by how much
     launch = log[0]
