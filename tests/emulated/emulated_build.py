@@ -8,6 +8,7 @@ otherwise it is built plainly, so `pytest tests` runs the emulation anywhere.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def asan_loaded() -> bool:
     return "libasan" in Path("/proc/self/maps").read_text()
 
 
+@functools.cache  # once per process: a second load would register the operator library again, which aborts
 def load() -> bool:
     """Builds (if needed) and loads the library; returns whether it is sanitized. The coverage build has no
     sanitizers: their checks would count as branches of the kernels."""
