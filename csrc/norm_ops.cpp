@@ -88,17 +88,16 @@ void check_rounding(const char* op, const RoundingOptions& rounding, const std::
                     ": expected a weight with weight_offset=", rounding.weight_offset, ", but got weight=None");
 }
 
-at::ScalarType residual_stream_dtype(const char* op, const at::Tensor& input,
-                                     std::optional<at::ScalarType> residual_dtype) {
-  const auto in = input.scalar_type();
-  if (!residual_dtype.has_value()) return in;
-  const auto r = *residual_dtype;
-  TORCH_CHECK_TYPE(at::isFloatingType(r), "torch_ln.", op,
-                   ": expected residual_dtype to be a floating-point dtype, but got residual_dtype=", r);
+at::ScalarType residual_stream_dtype(const char* op, const char* name, std::optional<at::ScalarType> dtype,
+                                     const char* like_name, const at::Tensor& like) {
+  const auto in = like.scalar_type();
+  if (!dtype.has_value()) return in;
+  const auto r = *dtype;
+  TORCH_CHECK_TYPE(at::isFloatingType(r), "torch_ln.", op, ": expected ", name,
+                   " to be a floating-point dtype, but got ", name, "=", r);
   const bool reduced = in == at::kHalf || in == at::kBFloat16;
-  TORCH_CHECK_TYPE(r == in || (reduced && r == at::kFloat), "torch_ln.", op,
-                   ": expected residual_dtype to be the input's dtype (", in, ")", reduced ? " or float32" : "",
-                   ", but got residual_dtype=", r);
+  TORCH_CHECK_TYPE(r == in || (reduced && r == at::kFloat), "torch_ln.", op, ": expected ", name, " to be ", like_name,
+                   "'s dtype (", in, ")", reduced ? " or float32" : "", ", but got ", name, "=", r);
   return r;
 }
 

@@ -27,10 +27,11 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
 
 // A weight offset needs a weight to offset.
 void check_rounding(const char* op, const RoundingOptions& rounding, const std::optional<at::Tensor>& weight);
-// The dtype of the residual stream (residual_out) of a fused residual add: residual_dtype, or the input's. It must
-// be the input's, or float32 for half or bfloat16 input.
-at::ScalarType residual_stream_dtype(const char* op, const at::Tensor& input,
-                                     std::optional<at::ScalarType> residual_dtype);
+// The dtype of the residual stream (residual_out) of a fused residual add: `dtype` (the argument `name`), or the
+// dtype of `like` (the argument `like_name`) when none is given. It must be like's, or float32 when like is half or
+// bfloat16.
+at::ScalarType residual_stream_dtype(const char* op, const char* name, std::optional<at::ScalarType> dtype,
+                                     const char* like_name, const at::Tensor& like);
 
 // `tensor` (named `name`) must have the shape and device of `like`, and one of the dtypes `dtype` or `other_dtype`.
 void check_like(const char* op, const char* name, const at::Tensor& tensor, const char* like_name,
@@ -72,7 +73,7 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
   check_rounding(op, rounding, weight);
   at::Tensor residual, residual_out;
   if (add.has_value()) {
-    const auto stream = residual_stream_dtype(op, input, add->residual_dtype);
+    const auto stream = residual_stream_dtype(op, "residual_dtype", add->residual_dtype, "input", input);
     check_like(op, "residual", add->residual, "input", input, input.scalar_type(), stream);
     // A residual of the input's dtype under a wider stream is converted first: the kernels read one stream dtype.
     residual = add->residual.to(stream).contiguous();
@@ -111,7 +112,7 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
   const RowShape s = check_forward_inputs(op, fused ? grad_out : input, normalized_shape, weight, bias);
   check_rounding(op, rounding, weight);
   if (fused) {
-    const auto stream = residual_stream_dtype(op, grad_out, input.scalar_type());
+    const auto stream = residual_stream_dtype(op, "residual_out.dtype", input.scalar_type(), "grad_out", grad_out);
     check_like(op, "residual_out", input, "grad_out", grad_out, stream, stream);
     check_backward_inputs(op, grad_out, grad_out, s, rstd, mean);
     if (grad_residual_out.has_value()) {

@@ -8,6 +8,8 @@ bitwise torch's ``x + residual``: both round the float32 (float64) sum once to r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from norm_cases import (
@@ -398,6 +400,21 @@ def test_error_float32_residual_without_residual_dtype():
     """A float32 residual stream needs residual_dtype=float32 under bfloat16 input: no silent narrowing."""
     with pytest.raises(TypeError, match="expected residual of dtype BFloat16, but got residual.dtype=Float"):
         torch_ln.add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(2, 8), 8)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_error_backward_names_residual_out_dtype(norm):
+    """Regression: a residual_out of the wrong dtype in the backward was reported as a bad residual_dtype, an argument
+    the backward does not have."""
+    grad_out, residual_out, stat = torch.randn(2, 8).bfloat16(), torch.randn(2, 8).half(), torch.ones(2, 1)
+    expected = (
+        "expected residual_out.dtype to be grad_out's dtype (BFloat16) or float32, but got residual_out.dtype=Half"
+    )
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        if norm == "layer_norm":
+            torch.ops.torch_ln.add_layer_norm_bwd(grad_out, None, residual_out, [8], stat, stat, None, None, [True] * 3)
+        else:
+            torch.ops.torch_ln.add_rms_norm_bwd(grad_out, None, residual_out, [8], stat, None, [True] * 2)
 
 
 # ---------------------------------------------------------------------------------------

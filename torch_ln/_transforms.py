@@ -186,6 +186,11 @@ for _name in OPS:
 
 _LIB = torch.library.Library("torch_ln", "FRAGMENT")
 
+# Each forward op's autograd.Function, for torch_ln.ops' eager fast path (plain tensors, no transform active), which
+# applies it directly: the same Function the Autograd kernel below applies, without a round trip through the
+# dispatcher into Python.
+FUNCTIONS: dict[torch._ops.OpOverload, type[torch.autograd.function._SingleLevelFunction]] = {}
+
 
 def _forward_ad_active() -> bool:
     # Inside a torch.autograd.forward_ad.dual_level (its level is only kept privately).
@@ -207,6 +212,8 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
 
     def setup(ctx, inputs, output):
         setup_context(ctx, inputs, output)
+        if not _forward_ad_active():  # no tangents: jvp will not be called
+            return
         # For jvp only (autograd drops these after the forward): every argument, the tensors saved properly.
         ctx.tensor_positions = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
         ctx.save_for_forward(*(inputs[i] for i in ctx.tensor_positions))
@@ -233,6 +240,8 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
             "_compiled_autograd_key": staticmethod(torch.autograd.Function._compiled_autograd_key),
         },
     )
+
+    FUNCTIONS[op] = function
 
     def autograd_kernel(keyset, *args):
         if len(args) < len(names):  # the dispatcher drops arguments left at their defaults (fill_defaults is slow)
