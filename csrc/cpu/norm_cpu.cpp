@@ -253,11 +253,15 @@ struct NormCpu {
   using VA = Vectorized<A>;
   static constexpr bool kCentered = K == NormKind::LayerNorm;  // RMSNorm: mean fixed at 0
 
-  // LayerNorm rows up to this size (as acc_t) get their statistics in two passes from L1 (the mean, then the
-  // variance around it); longer ones in one read (row_moments), so the forward reads x twice in all, not three
-  // times. Measured on the 2-core dev VM: from 2048 elements on, the one read is 5-15% faster (bfloat16, float32)
-  // than two passes, whose extra loads cost more than Welford's extra arithmetic.
-  static constexpr int64_t kTwoPassRowBytes = 4 * 1024;
+  // LayerNorm rows up to this size (as acc_t) get their statistics in two passes (the mean, then the variance
+  // around it), the second from cache; longer ones in one read (row_moments, cascaded Welford), so the forward reads
+  // memory twice in all, not three times. Half/bfloat16 rows are converted once into a stack buffer of this size,
+  // so stay small; rows read as they are go up to half a core's L2 (the row must survive the output stream between
+  // passes). Measured on the 2-core dev VM, float32 forward, 8 MiB of input, default malloc, against torch:
+  // D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
+  // and merges cost more than loads from L1/L2). From the 2-core VM for half/bfloat16: from 2048 elements on, the
+  // one read is 5-15% faster than two passes that re-convert.
+  static constexpr int64_t kTwoPassRowBytes = std::is_same_v<R, A> ? 512 * 1024 : 4 * 1024;
 
   // Rows per parallel task: about kGrainElements elements.
   static constexpr int64_t kGrainElements = 32768;
