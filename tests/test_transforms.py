@@ -69,34 +69,35 @@ def test_fallback_detection_works(capfd):
         vmap(torch.ops.torch_ln_test_no_rule.double)(torch.randn(3, 4))
 
 
+def _transform_results(transform, ours, theirs, args, scalar, cotangent):
+    """(ours, theirs) under one torch.func transform, at args; `scalar` makes a function's outputs one scalar (grad,
+    hessian), `cotangent` is vjp's."""
+    argnums = tuple(range(len(args)))
+    if transform == "grad":
+        return (grad(scalar(f), argnums)(*args) for f in (ours, theirs))
+    if transform == "vjp":
+        return (vjp(f, *args)[1](cotangent) for f in (ours, theirs))
+    if transform in ("jacrev", "jacfwd"):
+        jac = jacrev if transform == "jacrev" else jacfwd
+        return (jac(f, argnums)(*args) for f in (ours, theirs))
+    if transform == "jvp":
+        tangents = tuple(torch.randn_like(a) for a in args)
+        return (jvp(f, args, tangents) for f in (ours, theirs))
+    # forward-over-reverse, and the other three orders
+    f = scalar(ours)
+    got = [hessian(f)(*args), jacrev(jacrev(f))(*args), jacfwd(jacfwd(f))(*args), jacrev(jacfwd(f))(*args)]
+    return got, [hessian(scalar(theirs))(*args)] * 4
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape, normalized_ndim", SHAPES)
 @pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize(
-    "transform",
-    ["grad", "vjp", "jacrev", "jacfwd", "jvp", "hessian"],
-)
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "jacfwd", "jvp", "hessian"])
 def test_transform_matches_torch(transform, norm, shape, normalized_ndim, device, capfd):
     x, params, nshape = _inputs(norm, shape, normalized_ndim, device)
     ours, theirs = _functions(norm, nshape)
-    args = (x, *params)
-    argnums = tuple(range(len(args)))
     with no_vmap_fallback(capfd):
-        if transform == "grad":
-            got, want = (grad(_scalar(f), argnums)(*args) for f in (ours, theirs))
-        elif transform == "vjp":
-            cotangent = torch.randn_like(x)
-            got, want = (vjp(f, *args)[1](cotangent) for f in (ours, theirs))
-        elif transform in ("jacrev", "jacfwd"):
-            jac = jacrev if transform == "jacrev" else jacfwd
-            got, want = (jac(f, argnums)(*args) for f in (ours, theirs))
-        elif transform == "jvp":
-            tangents = tuple(torch.randn_like(a) for a in args)
-            got, want = (jvp(f, args, tangents) for f in (ours, theirs))
-        else:  # forward-over-reverse, and the other three orders
-            f = _scalar(ours)
-            got = [hessian(f)(*args), jacrev(jacrev(f))(*args), jacfwd(jacfwd(f))(*args), jacrev(jacfwd(f))(*args)]
-            want = [hessian(_scalar(theirs))(*args)] * 4
+        got, want = _transform_results(transform, ours, theirs, (x, *params), _scalar, torch.randn_like(x))
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -260,23 +261,9 @@ def test_fused_transform_matches_composite(transform, norm, shape, normalized_nd
     x, params, nshape = _inputs(norm, shape, normalized_ndim, device)
     ours, theirs = _fused_functions(norm, nshape)
     args = (x, torch.randn_like(x), *params)
-    argnums = tuple(range(len(args)))
+    cotangents = (torch.randn_like(x), torch.randn_like(x))
     with no_vmap_fallback(capfd):
-        if transform == "grad":
-            got, want = (grad(_fused_scalar(f), argnums)(*args) for f in (ours, theirs))
-        elif transform == "vjp":
-            cotangents = (torch.randn_like(x), torch.randn_like(x))
-            got, want = (vjp(f, *args)[1](cotangents) for f in (ours, theirs))
-        elif transform in ("jacrev", "jacfwd"):
-            jac = jacrev if transform == "jacrev" else jacfwd
-            got, want = (jac(f, argnums)(*args) for f in (ours, theirs))
-        elif transform == "jvp":
-            tangents = tuple(torch.randn_like(a) for a in args)
-            got, want = (jvp(f, args, tangents) for f in (ours, theirs))
-        else:
-            f = _fused_scalar(ours)
-            got = [hessian(f)(*args), jacrev(jacrev(f))(*args), jacfwd(jacfwd(f))(*args), jacrev(jacfwd(f))(*args)]
-            want = [hessian(_fused_scalar(theirs))(*args)] * 4
+        got, want = _transform_results(transform, ours, theirs, args, _fused_scalar, cotangents)
     torch.testing.assert_close(got, want, **TOL)
 
 
