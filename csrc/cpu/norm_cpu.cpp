@@ -799,16 +799,17 @@ void dispatch_kind(NormKind kind, const F& f) {
 
 // A large output that glibc has just mapped (M_MMAP_THRESHOLD tops out at 32 MiB, so every call at that size gets
 // fresh pages) costs one page fault per 4 KiB on first write: on the 2-core dev VM, 32 MiB took 11 ms of faults
-// against 3.4 ms with 2 MiB pages, for torch's outputs as for ours. So a fresh output gets transparent huge pages
-// (c10's THP_MEM_ALLOC_ENABLE does the same for every allocation): only its 2 MiB-aligned interior, which the kernel
-// writes whole, so no memory is added; only when its first page is not yet resident (mincore), so reused heap
-// memory is left alone. TORCH_LN_HUGE_PAGES=0 turns it off.
+// against 3.4 ms with 2 MiB pages, for torch's outputs as for ours. With TORCH_LN_HUGE_PAGES=1, a fresh output gets
+// transparent huge pages (c10's THP_MEM_ALLOC_ENABLE does the same for every allocation): only its 2 MiB-aligned
+// interior, which the kernel writes whole, so no memory is added; only when its first page is not yet resident
+// (mincore), so reused heap memory is left alone. Opt-in, as c10's is: a huge-page fault may stall (compaction;
+// on the dev VM, 64 MiB fills of usually 6 ms took up to 479 ms now and then, against at most 26 ms with 4 KiB pages).
 void advise_huge_pages(const at::Tensor& output) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
   static const bool enabled = [] {
     const char* setting = std::getenv("TORCH_LN_HUGE_PAGES");
-    return setting == nullptr || std::string_view(setting) != "0";
+    return setting != nullptr && std::string_view(setting) == "1";
   }();
   if (!enabled || !output.defined() || output.nbytes() < 2 * kHugePage) return;
   const auto begin = reinterpret_cast<uintptr_t>(output.data_ptr());
