@@ -24,13 +24,25 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   0,
                                   data_or_null<R>(a.residual),
                                   mutable_data_or_null<R>(a.residual_out),
-                                  {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
+                                  {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized},
+                                  false};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
+  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
   p.threads_per_row = plan.threads_per_row;
+  // The register kernel reads the weight and bias from a copy in shared memory, made once per block, where the
+  // device has room for it (all of sm_80 and sm_90; not every D on GPUs with 99 KB a block).
+  const size_t staged =
+      plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
+  p.staged_params = staged > 0 && staged + plan.smem_bytes<acc_t>() <= limits.max_shared_per_block;
+  const size_t smem = (p.staged_params ? staged : 0) + plan.smem_bytes<acc_t>();
   with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
-    dev::launch(kernel, grid_of(plan), block_of(plan), plan.smem_bytes<acc_t>(), stream, p);
+    if (!plan.multipass()) {  // one wave of blocks, each walking many rows (the multi-pass kernel: a block a row)
+      dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
+      limit_to_one_wave(plan, limits,
+                        dev::resident_blocks_per_sm(kernel, plan.block_threads(), smem, limits.max_threads_per_sm));
+    }
+    dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
   });
 }
 
