@@ -183,14 +183,14 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
     return out
 
 
-def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
+def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
     """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
     of rows over 32 threads; the backward with several rows a block adds their partial rows on chip; the forward's
-    register kernel keeps its copy of the weight and bias ahead of them."""
+    register kernel keeps its copy of the weight and bias (`staged`) ahead of them."""
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
     if mode == "bwd" and plan["rows_per_block"] > 1:
         smem = max(smem, plan["rows_per_block"] * D * 4)
-    if mode == "fwd" and plan["path"] == "registers":
+    if staged and mode == "fwd" and plan["path"] == "registers":
         smem += -(-parameter_count(op) * D * elem // 16) * 16
     return smem
 
@@ -242,8 +242,13 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     names = [launch["kernel"] for launch in probe]
     row_kernel = names[0]
     res = {n: resources.get(n, {}) for n in names}
-    smem = row_kernel_smem(op, mode, plan, D, elem)
-    per_sm = kernel_resources.blocks_per_sm(res[row_kernel].get("registers", 32), plan["block_threads"], smem)
+    registers = res[row_kernel].get("registers", 32)
+    per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], row_kernel_smem(op, mode, plan, D, elem))
+    # The forward's launcher copies the weight and bias to shared memory only where that keeps the occupancy its
+    # registers allow; the emulated runs below always do (the emulated device does not count shared memory).
+    unstaged_smem = row_kernel_smem(op, mode, plan, D, elem, staged=False)
+    unstaged = kernel_resources.blocks_per_sm(registers, plan["block_threads"], unstaged_smem)
+    assert per_sm == unstaged, f"{op} {dtype_name} D={D}: the launcher would not stage the weight here"
     if one_wave(mode, plan):  # one wave at the kernel's occupancy (limit_to_one_wave)
         blocks = plan["blocks"] = plan_on_h200(per_sm)[4]
     resident_blocks = min(blocks, H200.sms * per_sm)

@@ -30,17 +30,23 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
   RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
   p.threads_per_row = plan.threads_per_row;
-  // The register kernel reads the weight and bias from a copy in shared memory, made once per block, where the
-  // device has room for it (all of sm_80 and sm_90; not every D on GPUs with 99 KB a block).
+  const size_t scratch = plan.smem_bytes<acc_t>();
   const size_t staged =
       plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
-  p.staged_params = staged > 0 && staged + plan.smem_bytes<acc_t>() <= limits.max_shared_per_block;
-  const size_t smem = (p.staged_params ? staged : 0) + plan.smem_bytes<acc_t>();
   with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+    size_t smem = scratch;
     if (!plan.multipass()) {  // one wave of blocks, each walking many rows (the multi-pass kernel: a block a row)
-      dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
-      limit_to_one_wave(plan, limits,
-                        dev::resident_blocks_per_sm(kernel, plan.block_threads(), smem, limits.max_threads_per_sm));
+      const int threads = plan.block_threads();
+      const int blocks_per_sm = dev::resident_blocks_per_sm(kernel, threads, scratch, limits.max_threads_per_sm);
+      // The weight and bias from a copy in shared memory, made once per block, where the device has room for it
+      // without fewer blocks resident than the registers allow (every D on sm_90; not on GPUs with less).
+      if (staged > 0 && scratch + staged <= limits.max_shared_per_block) {
+        dev::allow_dynamic_shared(kernel, scratch + staged, limits.max_shared_per_block);
+        p.staged_params =
+            dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits.max_threads_per_sm) == blocks_per_sm;
+        if (p.staged_params) smem += staged;
+      }
+      limit_to_one_wave(plan, limits, blocks_per_sm);
     }
     dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
   });

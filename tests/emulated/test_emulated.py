@@ -260,8 +260,9 @@ def _forward_launch(kind, x, weight, bias):
     ],
 )
 def test_forward_parameters_without_room_in_shared_memory(kind, dtype, param_dtype, rows, cols):
-    # Where the block's copy of the weight and bias does not fit the device's shared memory (GPUs with 99 KB a
-    # block, at the longest rows in registers), the rows read them from global memory: the same results, bitwise.
+    # Where the block's copy of the weight and bias does not fit the device's shared memory, or would lower the
+    # occupancy (GPUs with less shared memory than sm_90), the rows read them from global memory: the same
+    # results, bitwise. The emulated device with too little shared memory takes that path.
     x, weight, bias, _ = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
     parameter_bytes = (1 + (kind == "layer")) * cols * param_dtype.itemsize
     staged, launch = _forward_launch(kind, x, weight, bias)
