@@ -120,10 +120,11 @@ struct StagedParams {
   Piece* bias;
   int64_t nvec;
 
+  // Unused, and smem may be null, where !p.staged_params.
   template <typename T, typename acc_t, typename R>
   TLN_DEVICE StagedParams(const ForwardParams<T, W, acc_t, R>& p, unsigned char* smem)
       : weight(reinterpret_cast<Piece*>(smem)),
-        bias(weight + (p.weight != nullptr ? p.cols / kPieceElems : 0)),
+        bias(p.staged_params && p.weight != nullptr ? weight + p.cols / kPieceElems : weight),
         nvec(p.cols / VEC) {}
 
   // Copies vector c of a parameter row (global memory) to its pieces.
