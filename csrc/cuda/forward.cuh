@@ -79,32 +79,44 @@ TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
   return s;
 }
 
-// Normalizes one vector of a row (element offset i) and stores it to y, with w and b the weight and bias there
-// (ignored where the row has none).
-template <int VEC, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i,
-                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const acc_t (&w)[VEC],
-                                    const acc_t (&b)[VEC]) {
+// Normalizes vector c of a row and stores it to y, reading the weight and bias (where the row has them) from
+// `params`: GlobalParams or the block's StagedParams.
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t c,
+                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const Params& params) {
   acc_t out[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;
   if (p.weight != nullptr) {
+    acc_t w[VEC];
+    params.load_weight(c, w);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] = p.rounding.template to_input<T>(out[j]) * p.rounding.weight(w[j]);
   }
   if (p.bias != nullptr) {
+    acc_t b[VEC];
+    params.load_bias(c, b);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] += b[j];
   }
-  store_vec<VEC>(p.y + row * p.cols, i, out);
+  store_vec<VEC>(p.y + row * p.cols, c * VEC, out);
 }
 
-// The weight and bias at element offset i from global memory (each only where the row has it).
-template <int VEC, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void load_params(const ForwardParams<T, W, acc_t, R>& p, int64_t i, acc_t (&w)[VEC], acc_t (&b)[VEC]) {
-  if (p.weight != nullptr) load_vec<VEC>(p.weight, i, w);
-  if (p.bias != nullptr) load_vec<VEC>(p.bias, i, b);
-}
+// The weight and bias read from global memory, vector c at a time.
+template <typename W, int VEC>
+struct GlobalParams {
+  const W* weight;
+  const W* bias;
+
+  template <typename acc_t>
+  TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
+    load_vec<VEC>(weight, c * VEC, w);
+  }
+  template <typename acc_t>
+  TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
+    load_vec<VEC>(bias, c * VEC, b);
+  }
+};
 
 // The register kernel's copy of the weight and bias rows in shared memory: the same columns serve every row of
 // the block, so they are read from global memory once per block instead of once per row. A vector is kept in
@@ -158,12 +170,13 @@ struct StagedParams {
     }
   }
 
-  // The weight and bias of vector c (each only where the row has it).
-  template <typename T, typename acc_t, typename R>
-  TLN_DEVICE void load_params(const ForwardParams<T, W, acc_t, R>& p, int64_t c, acc_t (&w)[VEC],
-                              acc_t (&b)[VEC]) const {
-    if (p.weight != nullptr) load(weight, c, w);
-    if (p.bias != nullptr) load(bias, c, b);
+  template <typename acc_t>
+  TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
+    load(weight, c, w);
+  }
+  template <typename acc_t>
+  TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
+    load(bias, c, b);
   }
 };
 
@@ -219,13 +232,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     for (int k = 0; k < ITEMS; ++k) {
       const int64_t c = layout.vector(k);
       if (c >= nvec) continue;
-      acc_t w[VEC], b[VEC];
       if (p.staged_params) {
-        staged.load_params(p, c, w, b);
+        normalize_and_store(p, row, c, v[k], mean, rstd, staged);
       } else {
-        load_params(p, c * VEC, w, b);
+        normalize_and_store(p, row, c, v[k], mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
       }
-      normalize_and_store(p, row, c * VEC, v[k], mean, rstd, w, b);
     }
   }
 }
@@ -267,9 +278,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
     }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
       load_stored(p, row, c * VEC, v);
-      acc_t w[VEC], b[VEC];
-      load_params(p, c * VEC, w, b);
-      normalize_and_store(p, row, c * VEC, v, mean, rstd, w, b);
+      normalize_and_store(p, row, c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
     }
   }
 }
