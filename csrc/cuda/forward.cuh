@@ -184,7 +184,7 @@ struct StagedParams {
 // RowLayout), read from global memory once. A block walks many rows (its grid is
 // one wave, launch_forward_typed), reading the weight and bias from its shared
 // copy when p.staged_params (the launcher's choice: the copy fits the device's
-// shared memory), from global memory otherwise.
+// shared memory without lowering the occupancy), from global memory otherwise.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
