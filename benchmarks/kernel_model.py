@@ -144,17 +144,24 @@ def _per_kernel(log: list[dict]) -> dict[str, dict]:
     return {launch["kernel"]: {c: launch[c] for c in COUNTERS} for launch in log}
 
 
+def one_wave(mode: str, plan: dict) -> bool:
+    """Whether the row kernel's grid is capped at one wave (limit_to_one_wave): the register kernels; the forward's
+    multi-pass kernel has a block a row."""
+    return mode == "bwd" or plan["path"] == "registers"
+
+
 def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan: dict, concurrent_blocks: int):
     """Each kernel's counters at M rows (and the full plan's grid), from small emulated runs.
 
-    Every counter is linear in the rows and in the backward's row-slots (each slot writes a whole partial row):
-    count = fixed + per_row * rows + per_block * blocks. The forward's grid is one block per rows_per_block rows,
-    so two runs fit it; the backward's grid is capped by the device (set_device), so three runs separate rows from
-    blocks. The emulator's L2 model is told how many blocks the full-size launch keeps in flight."""
+    Every counter is linear in the rows and in the blocks (each block of the register kernels copies the forward's
+    weight and bias, or writes the backward's partial rows, once): count = fixed + per_row * rows + per_block *
+    blocks. A one-wave grid is capped by the device (set_device), so three runs separate rows from blocks; the
+    forward's multi-pass grid is one block a row, so two runs fit it. The emulator's L2 model is told how many
+    blocks the full-size launch keeps in flight."""
     o = ops()
     rpb, threads = plan["rows_per_block"], plan["block_threads"]
     o.set_l2_model(H200.l2_bytes, concurrent_blocks)
-    if mode == "fwd":
+    if not one_wave(mode, plan):
         runs = [(rpb, 1 << 20), (2 * rpb, 1 << 20)]  # (rows, SMs): uncapped grid, blocks = rows / rpb
         regress = [lambda r, b: [1.0, r]] * 2
         full = [1.0, M]
@@ -176,12 +183,15 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
     return out
 
 
-def row_kernel_smem(mode: str, plan: dict, D: int) -> int:
+def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
     """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
-    of rows over 32 threads; the backward with several rows a block adds their partial rows on chip."""
+    of rows over 32 threads; the backward with several rows a block adds their partial rows on chip; the forward's
+    register kernel keeps its copy of the weight and bias (`staged`) ahead of them."""
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
     if mode == "bwd" and plan["rows_per_block"] > 1:
         smem = max(smem, plan["rows_per_block"] * D * 4)
+    if staged and mode == "fwd" and plan["path"] == "registers":
+        smem += -(-parameter_count(op) * D * elem // 16) * 16
     return smem
 
 
@@ -232,9 +242,14 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     names = [launch["kernel"] for launch in probe]
     row_kernel = names[0]
     res = {n: resources.get(n, {}) for n in names}
-    smem = row_kernel_smem(mode, plan, D)
-    per_sm = kernel_resources.blocks_per_sm(res[row_kernel].get("registers", 32), plan["block_threads"], smem)
-    if mode == "bwd":  # the backward's grid is one wave at its kernel's occupancy (limit_to_one_wave)
+    registers = res[row_kernel].get("registers", 32)
+    per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], row_kernel_smem(op, mode, plan, D, elem))
+    # The forward's launcher copies the weight and bias to shared memory only where that keeps the occupancy its
+    # registers allow; the emulated runs below always do (the emulated device does not count shared memory).
+    unstaged_smem = row_kernel_smem(op, mode, plan, D, elem, staged=False)
+    unstaged = kernel_resources.blocks_per_sm(registers, plan["block_threads"], unstaged_smem)
+    assert per_sm == unstaged, f"{op} {dtype_name} D={D}: the launcher would not stage the weight here"
+    if one_wave(mode, plan):  # one wave at the kernel's occupancy (limit_to_one_wave)
         blocks = plan["blocks"] = plan_on_h200(per_sm)[4]
     resident_blocks = min(blocks, H200.sms * per_sm)
     traffic = scaled_traffic(op, mode, D, M, dtype, plan, resident_blocks)

@@ -29,6 +29,7 @@ REGISTER_ALLOCATION_UNIT = 256  # registers are allocated per warp in units of 2
 MAX_THREADS_PER_SM = 2048
 MAX_BLOCKS_PER_SM = 32
 SHARED_BYTES_PER_SM = 228 * 1024
+RESERVED_SHARED_PER_BLOCK = 1024  # the system's share of each block's shared memory (sm_80 and later)
 
 
 def nvcc() -> str | None:
@@ -190,7 +191,7 @@ def blocks_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
     regs_per_warp = -(-max(registers, 1) * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
     by_registers = REGISTERS_PER_SM // (regs_per_warp * warps)
     by_threads = MAX_THREADS_PER_SM // threads
-    by_shared = SHARED_BYTES_PER_SM // shared_bytes if shared_bytes else MAX_BLOCKS_PER_SM
+    by_shared = SHARED_BYTES_PER_SM // (shared_bytes + RESERVED_SHARED_PER_BLOCK)
     return min(by_registers, by_threads, by_shared, MAX_BLOCKS_PER_SM)
 
 

@@ -13,7 +13,7 @@ namespace torch_ln {
 struct CudaLaunchContext {
   explicit CudaLaunchContext(const at::Tensor& input) : guard(input.device()) {
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor};
+    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin};
     stream = at::cuda::getCurrentCUDAStream();
   }
 

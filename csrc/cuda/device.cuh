@@ -101,6 +101,15 @@ int resident_blocks_per_sm(void (*kernel)(Params...), int threads, size_t smem_b
   return blocks;
 }
 
+// Lets the kernel launch with more than the default 48 KB of dynamic shared memory, up to the device's
+// `max_bytes` (always the same value, so that concurrent launches never lower each other's limit).
+template <typename... Params>
+void allow_dynamic_shared(void (*kernel)(Params...), size_t bytes, size_t max_bytes) {
+  if (bytes <= 48 * 1024) return;
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_bytes)));
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, Args&&... args) {
@@ -186,6 +195,10 @@ template <typename... Params>
 int resident_blocks_per_sm(void (*)(Params...), int threads, size_t, int max_threads_per_sm) {
   return max_threads_per_sm / threads;
 }
+
+// The emulated launch takes any size: the launchers keep within DeviceLimits::max_shared_per_block themselves.
+template <typename... Params>
+void allow_dynamic_shared(void (*)(Params...), size_t, size_t) {}
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {

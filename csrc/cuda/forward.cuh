@@ -24,6 +24,7 @@ struct ForwardParams {
   const R* residual;  // nullptr: no residual add; otherwise the norm is of residual_out = x + residual
   R* residual_out;
   DeviceRounding<acc_t> rounding;
+  bool staged_params;  // the register kernel: each block copies the weight and bias to shared memory
 };
 
 // The first read of one vector of a row (element offset i): x, or x + residual rounded to R (as torch's add
@@ -78,31 +79,122 @@ TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
   return s;
 }
 
-// Normalizes one vector of a row (element offset i) and stores it to y.
-template <int VEC, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i,
-                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd) {
-  acc_t out[VEC], w[VEC], b[VEC];
+// Normalizes vector c of a row and stores it to y, reading the weight and bias (where the row has them) from
+// `params`: GlobalParams or the block's StagedParams.
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t c,
+                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const Params& params) {
+  acc_t out[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;
   if (p.weight != nullptr) {
-    load_vec<VEC>(p.weight, i, w);
+    acc_t w[VEC];
+    params.load_weight(c, w);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] = p.rounding.template to_input<T>(out[j]) * p.rounding.weight(w[j]);
   }
   if (p.bias != nullptr) {
-    load_vec<VEC>(p.bias, i, b);
+    acc_t b[VEC];
+    params.load_bias(c, b);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] += b[j];
   }
-  store_vec<VEC>(p.y + row * p.cols, i, out);
+  store_vec<VEC>(p.y + row * p.cols, c * VEC, out);
 }
 
+// The weight and bias read from global memory, vector c at a time.
+template <typename W, int VEC>
+struct GlobalParams {
+  const W* weight;
+  const W* bias;
+
+  template <typename acc_t>
+  TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
+    load_vec<VEC>(weight, c * VEC, w);
+  }
+  template <typename acc_t>
+  TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
+    load_vec<VEC>(bias, c * VEC, b);
+  }
+};
+
+// The register kernel's copy of the weight and bias rows in shared memory: the same columns serve every row of
+// the block, so they are read from global memory once per block instead of once per row. A vector is kept in
+// 16-byte pieces, piece h of vector c at h * nvec + c, so a warp's lanes read consecutive 16-byte pieces: no bank
+// conflicts, even for 32-byte vectors (float parameters beside 16-bit inputs). Shared memory holds the weight
+// row, then the bias row (each only where the row has it), then the row-sum scratch.
+template <typename W, int VEC>
+struct StagedParams {
+  static constexpr int kPieceElems = VEC * sizeof(W) > kVectorBytes ? kVectorBytes / sizeof(W) : VEC;
+  using Piece = Vec<W, kPieceElems>;
+
+  Piece* weight;
+  Piece* bias;
+  int64_t nvec;
+
+  // Unused, and smem may be null, where !p.staged_params.
+  template <typename T, typename acc_t, typename R>
+  TLN_DEVICE StagedParams(const ForwardParams<T, W, acc_t, R>& p, unsigned char* smem)
+      : weight(reinterpret_cast<Piece*>(smem)),
+        bias(p.staged_params && p.weight != nullptr ? weight + p.cols / kPieceElems : weight),
+        nvec(p.cols / VEC) {}
+
+  // Copies vector c of a parameter row (global memory) to its pieces.
+  TLN_DEVICE void copy(const W* src, Piece* dst, int64_t c, dev::Site site = TLN_SITE) const {
+    const Vec<W, VEC> v = dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(src + c * VEC), site);
+#pragma unroll
+    for (int h = 0; h < VEC / kPieceElems; ++h) {
+      Piece piece;
+#pragma unroll
+      for (int j = 0; j < kPieceElems; ++j) piece.v[j] = v.v[h * kPieceElems + j];
+      dev::store_shared(&dst[h * nvec + c], piece, site);
+    }
+  }
+
+  template <typename acc_t>
+  TLN_DEVICE void load(const Piece* src, int64_t c, acc_t (&out)[VEC], dev::Site site = TLN_SITE) const {
+#pragma unroll
+    for (int h = 0; h < VEC / kPieceElems; ++h) {
+      const Piece piece = dev::load_shared(&src[h * nvec + c], site);
+#pragma unroll
+      for (int j = 0; j < kPieceElems; ++j) out[h * kPieceElems + j] = static_cast<acc_t>(piece.v[j]);
+    }
+  }
+
+  // Fills the copy from global memory (every thread of the block; a barrier follows before any row reads it).
+  template <typename T, typename acc_t, typename R>
+  TLN_DEVICE void fill(const ForwardParams<T, W, acc_t, R>& p) const {
+    for (int64_t c = dev::thread_x(); c < nvec; c += dev::block_dim_x()) {
+      if (p.weight != nullptr) copy(p.weight, weight, c);
+      if (p.bias != nullptr) copy(p.bias, bias, c);
+    }
+  }
+
+  template <typename acc_t>
+  TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
+    load(weight, c, w);
+  }
+  template <typename acc_t>
+  TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
+    load(bias, c, b);
+  }
+};
+
 // Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
-// RowLayout), read from global memory once.
+// RowLayout), read from global memory once. A block walks many rows (its grid is
+// one wave, launch_forward_typed), reading the weight and bias from its shared
+// copy when p.staged_params (the launcher's choice: the copy fits the device's
+// shared memory without lowering the occupancy), from global memory otherwise.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
-  acc_t* smem = dev::dynamic_shared<acc_t>();
+  unsigned char* shared = dev::dynamic_shared<unsigned char>();
+  const StagedParams<W, VEC> staged(p, shared);
+  acc_t* smem = reinterpret_cast<acc_t*>(
+      shared + (p.staged_params ? staged_params_bytes(p.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W)) : 0));
+  if (p.staged_params) {
+    staged.fill(p);
+    dev::sync_threads();
+  }
   const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
   for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
@@ -139,7 +231,12 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int64_t c = layout.vector(k);
-      if (c < nvec) normalize_and_store(p, row, c * VEC, v[k], mean, rstd);
+      if (c >= nvec) continue;
+      if (p.staged_params) {
+        normalize_and_store(p, row, c, v[k], mean, rstd, staged);
+      } else {
+        normalize_and_store(p, row, c, v[k], mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+      }
     }
   }
 }
@@ -181,7 +278,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
     }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
       load_stored(p, row, c * VEC, v);
-      normalize_and_store(p, row, c * VEC, v, mean, rstd);
+      normalize_and_store(p, row, c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
     }
   }
 }

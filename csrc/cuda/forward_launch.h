@@ -24,13 +24,31 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   0,
                                   data_or_null<R>(a.residual),
                                   mutable_data_or_null<R>(a.residual_out),
-                                  {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
+                                  {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized},
+                                  false};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
-  const RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
+  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
   p.threads_per_row = plan.threads_per_row;
+  const size_t scratch = plan.smem_bytes<acc_t>();
+  const size_t staged =
+      plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
   with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
-    dev::launch(kernel, grid_of(plan), block_of(plan), plan.smem_bytes<acc_t>(), stream, p);
+    size_t smem = scratch;
+    if (!plan.multipass()) {  // one wave of blocks, each walking many rows (the multi-pass kernel: a block a row)
+      const int threads = plan.block_threads();
+      const int blocks_per_sm = dev::resident_blocks_per_sm(kernel, threads, scratch, limits.max_threads_per_sm);
+      // The weight and bias from a copy in shared memory, made once per block, where the device has room for it
+      // without fewer blocks resident than the registers allow (every D on sm_90; not on GPUs with less).
+      if (staged > 0 && scratch + staged <= limits.max_shared_per_block) {
+        dev::allow_dynamic_shared(kernel, scratch + staged, limits.max_shared_per_block);
+        p.staged_params =
+            dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits.max_threads_per_sm) == blocks_per_sm;
+        if (p.staged_params) smem += staged;
+      }
+      limit_to_one_wave(plan, limits, blocks_per_sm);
+    }
+    dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
   });
 }
 

@@ -13,6 +13,7 @@ namespace torch_ln {
 struct DeviceLimits {
   int num_sms;
   int max_threads_per_sm;
+  size_t max_shared_per_block;  // dynamic shared memory a block may have (opted in beyond 48 KB)
 };
 
 constexpr int kVectorBytes = 16;        // one 128-bit load or store
@@ -67,6 +68,12 @@ struct RowPlan {
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Shared memory of the forward register kernel's copy of its weight and bias rows (each only when given), of
+// `cols` elements of `elem_bytes`, rounded up to 16 bytes: the row-sum scratch follows it.
+constexpr size_t staged_params_bytes(int64_t cols, bool weight, bool bias, size_t elem_bytes) {
+  return static_cast<size_t>(ceil_div((int{weight} + int{bias}) * cols * static_cast<int64_t>(elem_bytes), 16) * 16);
+}
+
 inline int next_pow2(int64_t n) {
   int p = 1;
   while (p < n) p *= 2;
@@ -99,10 +106,11 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
   return p;
 }
 
-// Caps the grid at the blocks the device holds at once (the backward: each
-// block writes a partial row per gradient, so blocks beyond one wave would only
-// add partial rows). `blocks_per_sm` is the kernel's occupancy at its launch
-// configuration, from the occupancy API.
+// Caps the grid at the blocks the device holds at once, for the register
+// kernels: each block then walks many rows, and what it does once (the
+// backward's partial row per gradient, the forward's copy of the weight and
+// bias) is done once per resident block. `blocks_per_sm` is the kernel's
+// occupancy at its launch configuration, from the occupancy API.
 inline void limit_to_one_wave(RowPlan& p, const DeviceLimits& d, int blocks_per_sm) {
   p.blocks = std::max<int64_t>(1, std::min(p.blocks, int64_t{d.num_sms} * std::max(1, blocks_per_sm)));
 }

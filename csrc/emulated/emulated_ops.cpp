@@ -2,6 +2,7 @@
 // compiled by the host compiler against the SIMT emulation, registered as the
 // operators of a separate library (torch_ln_emulated) on CPU tensors, with the
 // emulator's traffic counters and the launch planning exposed for the kernel model.
+#include <optional>
 #include <vector>
 
 #include "../cuda/backward.cuh"
@@ -22,15 +23,20 @@ struct EmulatedBackend {
 
 namespace {
 
-void set_device(int64_t num_sms, int64_t max_threads_per_sm) {
-  TORCH_CHECK(num_sms > 0 && max_threads_per_sm > 0, "set_device: expected positive limits, got num_sms=", num_sms,
-              ", max_threads_per_sm=", max_threads_per_sm);
-  emulated_device() = {static_cast<int>(num_sms), static_cast<int>(max_threads_per_sm)};
+// max_shared_per_block: the default device's when not given.
+void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64_t> shared) {
+  const int64_t max_shared_per_block =
+      shared.has_value() ? *shared : static_cast<int64_t>(kEmulatedDevice.max_shared_per_block);
+  TORCH_CHECK(num_sms > 0 && max_threads_per_sm > 0 && max_shared_per_block >= 0,
+              "set_device: expected positive SMs and threads and max_shared_per_block >= 0, got num_sms=", num_sms,
+              ", max_threads_per_sm=", max_threads_per_sm, ", max_shared_per_block=", max_shared_per_block);
+  emulated_device() = {static_cast<int>(num_sms), static_cast<int>(max_threads_per_sm),
+                       static_cast<size_t>(max_shared_per_block)};
 }
 
 // The plan the launchers make on the emulated device: vec, items, threads_per_row, rows_per_block, blocks. The
-// backward's grid is one wave at `blocks_per_sm` (its kernel's occupancy; 0: by the device's threads per SM, as
-// the emulated launch counts it).
+// register kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's threads per
+// SM, as the emulated launch counts it).
 std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable,
                           int64_t blocks_per_sm) {
   TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
@@ -39,7 +45,7 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
                         for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes));
-  if (!fwd) {
+  if (!p.multipass() || !fwd) {  // the forward's multi-pass kernel has a block a row
     const DeviceLimits& d = emulated_device();
     limit_to_one_wave(p, d,
                       blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads());
@@ -74,7 +80,7 @@ void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors
 
 TORCH_LIBRARY(torch_ln_emulated, m) {
   define_norm_schemas(m);
-  m.def("set_device", &set_device);
+  m.def("set_device(int num_sms, int max_threads_per_sm, int? max_shared_per_block=None) -> ()", &set_device);
   m.def("plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0) -> int[]",
         &plan);
   m.def("set_counting", &set_counting);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -108,6 +109,7 @@ std::mutex launch_mutex;
 
 constexpr uint64_t kSectorBytes = 32;
 constexpr int kBanks = 32, kBankBytes = 4;
+constexpr std::align_val_t kSharedAlignment{16};  // dynamic shared memory: __align__(16) in device.cuh
 // H200 (the model's GPU): SMs and resident threads per SM, for the default
 // number of blocks in flight.
 constexpr int64_t kModelSms = 132, kModelThreadsPerSm = 2048;
@@ -192,18 +194,26 @@ void account_request(LaunchTraffic& t, const std::vector<const Access*>& lanes, 
     }
   }
   if (first.space == Space::Shared) {
-    // Distinct 4-byte words per bank; a bank serves one word per cycle (the same word is a broadcast).
-    std::vector<uintptr_t> words;
-    for (const Access* a : lanes) {
-      for (uintptr_t w = a->address / kBankBytes; w <= (a->address + a->bytes - 1) / kBankBytes; ++w)
-        words.push_back(w);
-    }
-    std::sort(words.begin(), words.end());
-    words.erase(std::unique(words.begin(), words.end()), words.end());
-    int per_bank[kBanks] = {};
-    for (uintptr_t w : words) ++per_bank[w % kBanks];
+    // Distinct 4-byte words per bank; a bank serves one word per cycle (the same word is a broadcast). Wide
+    // accesses are served in phases of at most 128 bytes (kBanks words), as on the GPU: 8-byte ones a half-warp
+    // at a time, 16-byte ones a quarter-warp, wider ones as several 16-byte accesses (LDS.128 each).
+    const uint32_t piece = std::min<uint32_t>(first.bytes, 16);
+    const size_t lanes_per_phase = std::max<size_t>(1, kBanks * kBankBytes / piece);
     t.shared_requests += 1;
-    t.bank_conflicts += *std::max_element(per_bank, per_bank + kBanks) - 1;
+    for (uint32_t offset = 0; offset < first.bytes; offset += piece) {
+      for (size_t begin = 0; begin < lanes.size(); begin += lanes_per_phase) {
+        std::vector<uintptr_t> words;
+        for (size_t l = begin; l < std::min(lanes.size(), begin + lanes_per_phase); ++l) {
+          const uintptr_t address = lanes[l]->address + offset;
+          for (uintptr_t w = address / kBankBytes; w <= (address + piece - 1) / kBankBytes; ++w) words.push_back(w);
+        }
+        std::sort(words.begin(), words.end());
+        words.erase(std::unique(words.begin(), words.end()), words.end());
+        int per_bank[kBanks] = {};
+        for (uintptr_t w : words) ++per_bank[w % kBanks];
+        t.bank_conflicts += *std::max_element(per_bank, per_bank + kBanks) - 1;
+      }
+    }
     return;
   }
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
@@ -302,7 +312,11 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
 class BlockState {
  public:
   BlockState(unsigned threads, size_t smem_bytes)
-      : barrier(threads), warps(threads / kWarpSize), smem(smem_bytes), traces(threads) {}
+      : barrier(threads),
+        warps(threads / kWarpSize),
+        smem(smem_bytes > 0 ? static_cast<unsigned char*>(::operator new(smem_bytes, kSharedAlignment)) : nullptr),
+        smem_bytes(smem_bytes),
+        traces(threads) {}
 
   // Groups each warp's accesses into requests and counts them; clears the traces.
   void account(LaunchTraffic& t, double bytes_per_block_slot) {
@@ -328,7 +342,12 @@ class BlockState {
 
   Barrier barrier;
   std::vector<Warp> warps;
-  std::vector<unsigned char> smem;
+  // Exactly the launch's bytes (ASan catches an access past them), 16-byte aligned as the kernels declare it.
+  struct AlignedDelete {
+    void operator()(unsigned char* p) const { ::operator delete(p, kSharedAlignment); }
+  };
+  std::unique_ptr<unsigned char, AlignedDelete> smem;
+  size_t smem_bytes;
   std::vector<ThreadTrace> traces;
   uint64_t syncs = 0;  // __syncthreads of the current block
 };
@@ -400,10 +419,7 @@ uint64_t warp_exchange(uint64_t value, unsigned src_lane) {
   return received;
 }
 
-unsigned char* dynamic_shared_memory() {
-  auto& smem = this_thread().block->smem;
-  return smem.empty() ? nullptr : smem.data();
-}
+unsigned char* dynamic_shared_memory() { return this_thread().block->smem.get(); }
 
 void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body) {
   const unsigned threads = block.x * block.y * block.z;
@@ -434,7 +450,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
       ctx.block_idx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
                        static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
       // Shared memory is uninitialized on a GPU: poison it for each block.
-      if (tid == 0 && !state.smem.empty()) std::memset(state.smem.data(), 0xFF, state.smem.size());
+      if (tid == 0 && state.smem) std::memset(state.smem.get(), 0xFF, state.smem_bytes);
       state.barrier.arrive_and_wait("block start");
       body();
       state.barrier.arrive_and_wait("block end");

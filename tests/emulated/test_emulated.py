@@ -15,13 +15,16 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
   every dtype, vectors and scalar: forward D=16392 and 16411, backward D=8200 and 8209
 - 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
-- the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600
+- the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600; there the forward's
+  blocks (one wave) reuse their shared copy of the weight and bias for many rows, and without room for that
+  copy they read global memory
 - M=0 and M=1; every dtype, mixed precision, with and without weight and bias
 - the fused residual add (add_layer_norm/add_rms_norm) over the same plans, with a float32 residual stream
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import emulated_build as build
@@ -235,6 +238,42 @@ def test_many_slots_of_partial_sums(kind, rows, cols):
     # so each slot sums many rows and the final reduction adds many slots.
     x, weight, bias, dy = _inputs(rows, cols, torch.float32, torch.float32, (True, kind == "layer"))
     _check_against_torch(kind, x, weight, bias, dy)
+
+
+def _forward_launch(kind, x, weight, bias):
+    """y and the row kernel's launch record (the emulator's log)."""
+    ops.set_counting(True)
+    try:
+        y = _emulated_forward(kind, x, weight, bias, 1e-5)
+    finally:
+        ops.set_counting(False)
+    return y, json.loads(ops.take_launch_log())[0]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,param_dtype,rows,cols",
+    [
+        (torch.float32, torch.float32, 40, 7),  # the scalar path, many rows per block
+        (torch.bfloat16, torch.float32, 9, 1024),  # 32-byte parameter vectors, kept as two 16-byte pieces
+        (torch.float32, torch.float32, 3, 12288),  # a block of 512 threads a row: 96 KB of LayerNorm parameters
+    ],
+)
+def test_forward_parameters_without_room_in_shared_memory(kind, dtype, param_dtype, rows, cols):
+    # Where the block's copy of the weight and bias does not fit the device's shared memory, or would lower the
+    # occupancy (GPUs with less shared memory than sm_90), the rows read them from global memory: the same
+    # results, bitwise. The emulated device with too little shared memory takes that path.
+    x, weight, bias, _ = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    parameter_bytes = (1 + (kind == "layer")) * cols * param_dtype.itemsize
+    staged, launch = _forward_launch(kind, x, weight, bias)
+    assert launch["dynamic_smem"] >= parameter_bytes
+    ops.set_device(2, 2048, parameter_bytes - 1)
+    try:
+        unstaged, launch = _forward_launch(kind, x, weight, bias)
+    finally:
+        ops.set_device(2, 2048)
+    assert launch["dynamic_smem"] < parameter_bytes
+    assert torch.equal(staged, unstaged)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

@@ -4,6 +4,7 @@
   efficiency 1.0, as Nsight Compute counts it), in the row kernels and in the backward's reduce.
 - The register-resident paths read x (and dy) exactly once and write y (dx) exactly once; besides those, the
   forward writes only the per-row statistics and the backward only one partial row per row-slot and gradient.
+- The forward's register path reads the weight and bias once per block, whatever its rows.
 """
 
 from __future__ import annotations
@@ -70,3 +71,18 @@ def test_counters_see_a_rereading_path():
     # The counters can fail the check above: the forward's multi-pass path reads x more than once.
     launch = kernel_model.emulate("rms_norm", "fwd", 20480, 2, F32, (2, 2048))[0]
     assert launch["regions"]["x"][0] == 2 * 2 * 20480 * 4
+
+
+# The forward's register-path cases above.
+FORWARD_REGISTER_CASES = [c for c in CASES if c[1] == "fwd" and c[3] <= 16384]
+
+
+@pytest.mark.parametrize("op,mode,dtype,cols", FORWARD_REGISTER_CASES)
+def test_forward_reads_parameters_once_per_block(op, mode, dtype, cols):
+    # A device that holds one block: it walks all ROWS rows (several tiles) and reads the weight and bias once,
+    # into its shared copy.
+    _, _, threads_per_row, rows_per_block, _ = kernel_model.ops().plan(mode, ROWS, cols, dtype.itemsize, True)
+    launch = kernel_model.emulate(op, mode, cols, ROWS, dtype, (1, threads_per_row * rows_per_block))[0]
+    assert launch["grid"] == 1 and ROWS > rows_per_block
+    for name in ["weight", "bias"][: kernel_model.parameter_count(op)]:
+        assert launch["regions"][name][0] == cols * dtype.itemsize, f"{name} is read more than once"
