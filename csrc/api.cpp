@@ -1,5 +1,5 @@
 // The public C++ API (torch_ln/include/torch_ln/torch_ln.h). Each function calls its operator through
-// the dispatcher, which picks the CPU or CUDA kernel (and would run any autograd or autocast layer).
+// the dispatcher, which picks the CPU or CUDA kernel and runs any autograd or autocast layer.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch_ln/torch_ln.h>
 
@@ -54,14 +54,74 @@ Tensor2 rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::In
                  round_normalized);
 }
 
+using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using OptDtype = std::optional<at::ScalarType>;
+
+Tensor4 add_layer_norm_fwd(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+                           const OptTensor& weight, const OptTensor& bias, double eps, OptDtype residual_dtype) {
+  static const auto op = find_operator<Tensor4(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&,
+                                               const OptTensor&, double, OptDtype)>("torch_ln::add_layer_norm_fwd");
+  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual_dtype);
+}
+
+Tensor3 add_layer_norm_bwd(const at::Tensor& grad_out, const OptTensor& grad_residual_out,
+                           const at::Tensor& residual_out, at::IntArrayRef normalized_shape, const at::Tensor& mean,
+                           const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
+                           std::array<bool, 3> output_mask) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, const OptTensor&, const at::Tensor&, Shape, const at::Tensor&,
+                            const at::Tensor&, const OptTensor&, const OptTensor&, std::array<bool, 3>)>(
+          "torch_ln::add_layer_norm_bwd");
+  return op.call(grad_out, grad_residual_out, residual_out, c10::fromIntArrayRefSlow(normalized_shape), mean, rstd,
+                 weight, bias, output_mask);
+}
+
+Tensor3 add_rms_norm_fwd(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+                         const OptTensor& weight, std::optional<double> eps, OptDtype residual_dtype) {
+  static const auto op = find_operator<Tensor3(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&,
+                                               std::optional<double>, OptDtype)>("torch_ln::add_rms_norm_fwd");
+  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, residual_dtype);
+}
+
+Tensor2 add_rms_norm_bwd(const at::Tensor& grad_out, const OptTensor& grad_residual_out, const at::Tensor& residual_out,
+                         at::IntArrayRef normalized_shape, const at::Tensor& rstd, const OptTensor& weight,
+                         std::array<bool, 2> output_mask) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, const OptTensor&, const at::Tensor&, Shape, const at::Tensor&,
+                            const OptTensor&, std::array<bool, 2>)>("torch_ln::add_rms_norm_bwd");
+  return op.call(grad_out, grad_residual_out, residual_out, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight,
+                 output_mask);
+}
+
+// The differentiable entry points: the operators of csrc/autograd.cpp.
+
 at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
                       const OptTensor& bias, double eps) {
-  return std::get<0>(layer_norm_fwd(input, normalized_shape, weight, bias, eps));
+  static const auto op =
+      find_operator<at::Tensor(const at::Tensor&, at::IntArrayRef, const OptTensor&, const OptTensor&, double)>(
+          "torch_ln::layer_norm");
+  return op.call(input, normalized_shape, weight, bias, eps);
 }
 
 at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
                     std::optional<double> eps) {
-  return std::get<0>(rms_norm_fwd(input, normalized_shape, weight, eps));
+  static const auto op = find_operator<at::Tensor(const at::Tensor&, at::IntArrayRef, const OptTensor&,
+                                                  std::optional<double>, double, bool)>("torch_ln::rms_norm");
+  return op.call(input, normalized_shape, weight, eps, 0.0, false);
+}
+
+Tensor2 add_layer_norm(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+                       const OptTensor& weight, const OptTensor& bias, double eps, OptDtype residual_dtype) {
+  static const auto op = find_operator<Tensor2(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const OptTensor&,
+                                               const OptTensor&, double, OptDtype)>("torch_ln::add_layer_norm");
+  return op.call(input, residual, normalized_shape, weight, bias, eps, residual_dtype);
+}
+
+Tensor2 add_rms_norm(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+                     const OptTensor& weight, std::optional<double> eps, OptDtype residual_dtype) {
+  static const auto op = find_operator<Tensor2(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const OptTensor&,
+                                               std::optional<double>, OptDtype)>("torch_ln::add_rms_norm");
+  return op.call(input, residual, normalized_shape, weight, eps, residual_dtype);
 }
 
 }  // namespace torch_ln

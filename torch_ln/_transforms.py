@@ -184,12 +184,7 @@ for _name in OPS:
 # Autograd
 # ------------------------------------------------------------------------------------------------
 
-_LIB = torch.library.Library("torch_ln", "FRAGMENT")
-
-# Each forward op's autograd.Function, for torch_ln.ops' eager fast path (plain tensors, no transform active), which
-# applies it directly: the same Function the Autograd kernel below applies, without a round trip through the
-# dispatcher into Python.
-FUNCTIONS: dict[torch._ops.OpOverload, type[torch.autograd.function._SingleLevelFunction]] = {}
+LIB = torch.library.Library("torch_ln", "FRAGMENT")
 
 
 def _forward_ad_active() -> bool:
@@ -241,8 +236,6 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
         },
     )
 
-    FUNCTIONS[op] = function
-
     def autograd_kernel(keyset, *args):
         if len(args) < len(names):  # the dispatcher drops arguments left at their defaults (fill_defaults is slow)
             args, _ = torch._library.utils.fill_defaults(op._schema, args, {})
@@ -254,4 +247,4 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Calla
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
-    _LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)

@@ -15,40 +15,28 @@ from torch_ln import _transforms, reference
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _ops = torch.ops.torch_ln
-_below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
 def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
     return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
 
 
-def _call(op, input: Tensor, *args):
-    """op(input, *args), straight to the kernel or to its autograd.Function when called on plain tensors.
+def _eager(*tensors: Tensor | None) -> bool:
+    """Whether a call takes the eager operators (torch_ln::layer_norm, ...: autograd in C++, csrc/autograd.cpp)
+    rather than the *_fwd operators, whose autograd, jvp, vmap rule and autocast rule are registered in Python.
 
-    The autograd formula is registered in Python, so a call through the dispatcher is boxed into Python, then
-    redispatched (measured on the 2-core dev VM, 4x1024 float32: 15 us without autograd against 9 us straight to
-    the kernel, 62 us when it records for the backward against 42 us applying the Function directly; torch's
-    own layer_norm: 6 and 7 us). Only plain tensors outside torch.compile, torch.func and forward-mode AD take
-    the shortcut: those paths need the operator as registered. The tests are ordered cheapest first.
+    The Python path costs ~30 us a call more (a Python autograd.Function: measured on the 2-core dev VM, 4x1024
+    float32 with inputs that require grad, 42 us against 7 for torch's layer_norm), which is most of a 1 MiB norm.
+    Only plain tensors outside torch.compile, torch.func, forward-mode AD and autocast take it: those need the
+    *_fwd operators as registered. The tests are ordered cheapest first.
     """
-    if (
-        type(input) is Tensor
+    return (
+        all(t is None or type(t) is Tensor for t in tensors)
         and not torch._C._are_functorch_transforms_active()
         and not torch.compiler.is_compiling()
         and not _transforms._forward_ad_active()  # no dual tensors
-    ):
-        grad = torch.is_grad_enabled()
-        records = grad and input.requires_grad
-        for t in args:
-            if isinstance(t, Tensor):
-                if type(t) is not Tensor:
-                    return op(input, *args)
-                records = records or (grad and t.requires_grad)
-        if records:
-            return _transforms.FUNCTIONS[op].apply(input, *args)
-        with _below_autograd():
-            return op(input, *args)
-    return op(input, *args)
+        and not torch._C._is_any_autocast_enabled()
+    )
 
 
 def layer_norm(
@@ -64,7 +52,10 @@ def layer_norm(
     bfloat16 inputs may come with float32 ``weight``/``bias`` (the output keeps the
     input's dtype); statistics are accumulated in float32 (float64 for float64 input).
     """
-    return _call(_ops.layer_norm_fwd.default, input, _as_shape(normalized_shape), weight, bias, eps)[0]
+    shape = _as_shape(normalized_shape)
+    if _eager(input, weight, bias):
+        return _ops.layer_norm.default(input, shape, weight, bias, eps)
+    return _ops.layer_norm_fwd.default(input, shape, weight, bias, eps)[0]
 
 
 def rms_norm(
@@ -91,9 +82,10 @@ def rms_norm(
       The backward follows the same rounding: ``dy * weight`` is rounded to the input's dtype,
       and the weight gradient sums ``dy * rounded_xhat`` rounded to the input's dtype.
     """
-    return _call(
-        _ops.rms_norm_fwd.default, input, _as_shape(normalized_shape), weight, eps, weight_offset, round_normalized
-    )[0]
+    shape = _as_shape(normalized_shape)
+    if _eager(input, weight):
+        return _ops.rms_norm.default(input, shape, weight, eps, weight_offset, round_normalized)
+    return _ops.rms_norm_fwd.default(input, shape, weight, eps, weight_offset, round_normalized)[0]
 
 
 def add_layer_norm(
@@ -113,9 +105,10 @@ def add_layer_norm(
     are new tensors. The gradient of ``x`` and of ``residual`` is the same: that of ``residual_out``
     through the norm plus the incoming gradient of ``residual_out``.
     """
-    y, residual_out, _, _ = _call(
-        _ops.add_layer_norm_fwd.default, x, residual, _as_shape(normalized_shape), weight, bias, eps, residual_dtype
-    )
+    args = (x, residual, _as_shape(normalized_shape), weight, bias, eps, residual_dtype)
+    if _eager(x, residual, weight, bias):
+        return _ops.add_layer_norm.default(*args)
+    y, residual_out, _, _ = _ops.add_layer_norm_fwd.default(*args)
     return y, residual_out
 
 
@@ -128,9 +121,10 @@ def add_rms_norm(
     residual_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Residual add and RMS normalization in one pass: returns ``(y, residual_out)``, as :func:`add_layer_norm`."""
-    y, residual_out, _ = _call(
-        _ops.add_rms_norm_fwd.default, x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype
-    )
+    args = (x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype)
+    if _eager(x, residual, weight):
+        return _ops.add_rms_norm.default(*args)
+    y, residual_out, _ = _ops.add_rms_norm_fwd.default(*args)
     return y, residual_out
 
 
@@ -338,6 +332,14 @@ def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
 def _needs_double_backward(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
+
+def _norm_backward_composite(grad_out, input, normalized_shape, weight, bias, eps, centred):
+    grads = reference.norm_backward(grad_out, input, normalized_shape, weight, bias, eps, centred)
+    return [g if g is not None else _unrequested(input) for g in grads]
+
+
+# The C++ autograd's (csrc/autograd.cpp) double backward: the same closed form as the Python path's.
+_transforms.LIB.impl("norm_backward_composite", _norm_backward_composite, "CompositeImplicitAutograd")
 
 # As torch.library.register_autograd, plus what torch.func needs (jvp, batching): see torch_ln/_transforms.py.
 _transforms.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)

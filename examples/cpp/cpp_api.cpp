@@ -56,6 +56,24 @@ bool check_on(const at::Device device) {
   const auto grads = torch::autograd::grad({at::rms_norm(x_leaf, {D}, weight_leaf)}, {x_leaf, weight_leaf}, {dy});
   ok &= report("rms_norm_bwd grad_input" + on, dxr, grads[0], output_tolerance);
   ok &= report("rms_norm_bwd grad_weight" + on, dweightr, grads[1], sum_tolerance);
+
+  // Training in C++: autograd through torch_ln::layer_norm and add_rms_norm against LibTorch's composites.
+  const auto bias_leaf = bias.detach().requires_grad_();
+  const std::vector<at::Tensor> leaves{x_leaf, weight_leaf, bias_leaf};
+  const auto ours = torch::autograd::grad({torch_ln::layer_norm(x_leaf, {D}, weight_leaf, bias_leaf)}, leaves, {dy});
+  const auto theirs = torch::autograd::grad({at::layer_norm(x_leaf, {D}, weight_leaf, bias_leaf)}, leaves, {dy});
+  ok &= report("layer_norm autograd grad_input" + on, ours[0], theirs[0], output_tolerance);
+  ok &= report("layer_norm autograd grad_weight" + on, ours[1], theirs[1], sum_tolerance);
+  ok &= report("layer_norm autograd grad_bias" + on, ours[2], theirs[2], sum_tolerance);
+  const auto residual = at::randn_like(x).requires_grad_();
+  const auto [fused, fused_residual_out] = torch_ln::add_rms_norm(x_leaf, residual, {D}, weight_leaf);
+  const auto h = x_leaf + residual;
+  const std::vector<at::Tensor> add_leaves{x_leaf, residual, weight_leaf};
+  const auto add_ours = torch::autograd::grad({fused, fused_residual_out}, add_leaves, {dy, dy});
+  const auto add_theirs = torch::autograd::grad({at::rms_norm(h, {D}, weight_leaf), h}, add_leaves, {dy, dy});
+  ok &= report("add_rms_norm autograd grad_input" + on, add_ours[0], add_theirs[0], output_tolerance);
+  ok &= report("add_rms_norm autograd grad_residual" + on, add_ours[1], add_theirs[1], output_tolerance);
+  ok &= report("add_rms_norm autograd grad_weight" + on, add_ours[2], add_theirs[2], sum_tolerance);
   return ok;
 }
 

@@ -1,9 +1,10 @@
 // The torch_ln C++ API. Link the CMake target torch_ln::torch_ln (find_package(torch_ln)); that alone
 // registers the torch_ln operators, so torch::Dispatcher and AOTInductor packages find them.
 //
-// Every function calls its operator through the dispatcher: CPU and CUDA tensors both work. These are
-// inference entry points: autograd for the operators is registered by the Python package only; in C++,
-// compute gradients with the *_bwd functions and the statistics of the *_fwd ones.
+// Every function calls its operator through the dispatcher: CPU and CUDA tensors both work.
+// layer_norm, rms_norm, add_layer_norm and add_rms_norm are differentiable (torch::autograd, first order; double
+// backward needs the Python package, which registers the *_fwd operators' differentiable formula). The *_fwd and
+// *_bwd functions are the raw kernels: outputs with their statistics, and gradients from those statistics.
 // A new operator gets its declaration here, its definition in csrc/api.cpp.
 #pragma once
 
@@ -31,6 +32,19 @@ TORCH_LN_API at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef norm
 TORCH_LN_API at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                  const std::optional<at::Tensor>& weight = std::nullopt,
                                  std::optional<double> eps = std::nullopt);
+
+// Residual add and norm in one pass: (y, residual_out) with residual_out = input + residual in residual_dtype
+// (default: input's dtype; float32 with half/bfloat16 input) and y = layer_norm(residual_out) in input's dtype.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_layer_norm(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight = std::nullopt, const std::optional<at::Tensor>& bias = std::nullopt,
+    double eps = 1e-5, std::optional<at::ScalarType> residual_dtype = std::nullopt);
+
+// As add_layer_norm, with rms_norm.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight = std::nullopt, std::optional<double> eps = std::nullopt,
+    std::optional<at::ScalarType> residual_dtype = std::nullopt);
 
 // The operator torch_ln::layer_norm_fwd: (output, mean, rstd), statistics in float32 (float64 for float64
 // input) with the input's batch dimensions and a 1 for each normalized dimension, as aten::native_layer_norm.
@@ -60,5 +74,29 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& g
                                                              const std::optional<at::Tensor>& weight,
                                                              std::array<bool, 2> output_mask, double weight_offset = 0,
                                                              bool round_normalized = false);
+
+// The operator torch_ln::add_layer_norm_fwd: (output, residual_out, mean, rstd).
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    std::optional<at::ScalarType> residual_dtype);
+
+// The operator torch_ln::add_layer_norm_bwd: (grad of residual_out, which is that of input and of residual, in
+// residual_out's dtype; grad_weight; grad_bias). grad_residual_out (undefined: none) is added to the first.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
+    at::IntArrayRef normalized_shape, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
+
+// The operator torch_ln::add_rms_norm_fwd: (output, residual_out, rstd).
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps, std::optional<at::ScalarType> residual_dtype);
+
+// The operator torch_ln::add_rms_norm_bwd: (grad of residual_out, grad_weight), as add_layer_norm_bwd.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
+    at::IntArrayRef normalized_shape, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    std::array<bool, 2> output_mask);
 
 }  // namespace torch_ln
