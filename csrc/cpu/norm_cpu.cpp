@@ -110,17 +110,27 @@ Group<A> load_group(const S* p, int64_t n) {
   return g;
 }
 
-// Stores the first n (<= kStep) elements of g to p, converting to S.
+// g as vectors of S: g itself, or for half/bfloat16 each pair of float vectors converted (rounded) into one.
 template <typename A, typename S>
-void store_group(S* p, const Group<A>& g, int64_t n) {
-  constexpr int64_t V = Vectorized<A>::size();
+auto pack(const Group<A>& g) {
   if constexpr (std::is_same_v<S, A>) {
-    for (const auto i : c10::irange(kU)) g[i].store(p + i * V, std::clamp<int64_t>(n - i * V, 0, V));
+    return g;
   } else {
-    for (int i = 0; i < kU; i += 2) {
-      const auto count = static_cast<int>(std::clamp<int64_t>(n - i * V, 0, 2 * V));
-      at::vec::convert_from_float<S>(g[i], g[i + 1]).store(p + i * V, count);
-    }
+    std::array<Vectorized<S>, kU / 2> packed;
+    for (const auto i : c10::irange(kU / 2)) packed[i] = at::vec::convert_from_float<S>(g[2 * i], g[2 * i + 1]);
+    return packed;
+  }
+}
+
+// pack's result back as acc_t vectors.
+template <typename A, typename S, typename Packed>
+Group<A> unpack(const Packed& packed) {
+  if constexpr (std::is_same_v<S, A>) {
+    return packed;
+  } else {
+    Group<A> g;
+    for (const auto i : c10::irange(kU / 2)) std::tie(g[2 * i], g[2 * i + 1]) = at::vec::convert_to_float<S>(packed[i]);
+    return g;
   }
 }
 
@@ -159,23 +169,33 @@ inline __m256i register_bits(__m256d v) { return _mm256_castpd_si256(v); }
 inline __m256i register_bits(__m256i v) { return v; }
 #endif
 
-// Stores the first n (<= kStep) elements of g to p like store_group, streaming when asked and the step is whole and
+// Stores the first n (<= kStep) elements of pack's result to p; streaming when asked and the step is whole and
 // aligned.
-template <typename A, typename S>
-void store_output(S* p, const Group<A>& g, int64_t n, bool streaming) {
+template <typename S, typename Packed>
+void store_packed(S* p, const Packed& packed, int64_t n, bool streaming = false) {
+  constexpr int64_t V = Packed::value_type::size();
 #ifdef TORCH_LN_TARGET_AVX2
-  if (streaming && n == kStep<A> && reinterpret_cast<uintptr_t>(p) % kStreamAlignment == 0) {
-    constexpr int64_t V = Vectorized<A>::size();
-    const auto stream = [](S* q, __m256i bits) { _mm256_stream_si256(reinterpret_cast<__m256i*>(q), bits); };
-    if constexpr (std::is_same_v<S, A>) {
-      for (const auto i : c10::irange(kU)) stream(p + i * V, register_bits(g[i]));
-    } else {
-      for (int i = 0; i < kU; i += 2) stream(p + i * V, register_bits(at::vec::convert_from_float<S>(g[i], g[i + 1])));
+  if (streaming && n == V * static_cast<int64_t>(packed.size()) &&
+      reinterpret_cast<uintptr_t>(p) % kStreamAlignment == 0) {
+    for (const auto i : c10::irange(packed.size())) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i * V), register_bits(packed[i]));
     }
     return;
   }
 #endif
-  store_group<A>(p, g, n);
+  for (const auto i : c10::irange(packed.size())) packed[i].store(p + i * V, std::clamp<int64_t>(n - i * V, 0, V));
+}
+
+// Stores the first n (<= kStep) elements of g to p, converting to S.
+template <typename A, typename S>
+void store_group(S* p, const Group<A>& g, int64_t n) {
+  store_packed(p, pack<A, S>(g), n);
+}
+
+// store_group, streaming when asked and the step is whole and aligned.
+template <typename A, typename S>
+void store_output(S* p, const Group<A>& g, int64_t n, bool streaming) {
+  store_packed(p, pack<A, S>(g), n, streaming);
 }
 
 // Calls f(j, count) for consecutive steps covering [0, n): first `head` elements (if any), then whole steps; only
@@ -260,7 +280,8 @@ struct NormCpu {
   // passes). Measured on the 2-core dev VM, float32 forward, 8 MiB of input, default malloc, against torch:
   // D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
   // and merges cost more than loads from L1/L2). From the 2-core VM for half/bfloat16: from 2048 elements on, the
-  // one read is 5-15% faster than two passes that re-convert.
+  // one read is 5-15% faster than two passes that re-convert. The same limits hold after a residual add (whose row
+  // is kept as acc_t), so that the fused ops' statistics are bitwise those of the plain norm of residual_out.
   static constexpr int64_t kTwoPassRowBytes = std::is_same_v<R, A> ? 512 * 1024 : 4 * 1024;
 
   // Rows per parallel task: about kGrainElements elements.
@@ -281,14 +302,7 @@ struct NormCpu {
   }
 
   // v rounded to the input dtype and back (the identity when that is acc_t): Llama-style rounding.
-  static Group<A> round_to_input(Group<A> v) {
-    if constexpr (!std::is_same_v<T, A>) {
-      T rounded[kStep<A>];
-      store_group<A>(rounded, v, kStep<A>);
-      v = load_group<A>(rounded, kStep<A>);
-    }
-    return v;
-  }
+  static Group<A> round_to_input(const Group<A>& v) { return unpack<A, T>(pack<A, T>(v)); }
 
   // g = dy * w (dy without weight).
   template <bool HasW>
@@ -320,16 +334,17 @@ struct NormCpu {
   }
 
   // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R. The first pass over a row
-  // adds and rounds each element once and keeps h as acc_t in `kept` (a per-thread row, in cache), which the later
-  // passes read; the last writes h, with y, streamed like y: h never displaces the inputs from the cache nor is read
-  // back from memory. (Re-adding and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16
-  // RMSNorm at D >= 2048 took 1.3-1.6x the unfused pair's CPU time, against 1.0-1.1x so.)
+  // adds and rounds each element once, writes h from the rounded vectors (streamed like y: h never displaces the
+  // inputs from the cache) and keeps h as acc_t in `kept` (a per-thread row, in cache), which the later passes read.
+  // (Re-adding and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16 RMSNorm at D >= 2048
+  // took 1.3-1.6x the unfused pair's CPU time, against 1.0-1.1x so.)
   template <bool HasRes>
   struct InputRow {
     const T* x;
     const R* residual;
     R* h;
     A* kept;
+    bool streaming;  // how h is written
 
     // Elements [j, j + c) (c <= kStep) of the normalized row as acc_t, in the first pass over it.
     Group<A> load_first(int64_t j, int64_t c) const {
@@ -337,11 +352,9 @@ struct NormCpu {
       if constexpr (HasRes) {
         const Group<A> r = load_group<A>(residual + j, c);
         for (const auto i : c10::irange(kU)) v[i] = v[i] + r[i];
-        if constexpr (!std::is_same_v<R, A>) {  // rounded to R, as torch's add does
-          for (int i = 0; i < kU; i += 2) {
-            std::tie(v[i], v[i + 1]) = at::vec::convert_to_float<R>(at::vec::convert_from_float<R>(v[i], v[i + 1]));
-          }
-        }
+        const auto rounded = pack<A, R>(v);  // to R, as torch's add does
+        store_packed(h + j, rounded, c, streaming);
+        v = unpack<A, R>(rounded);
         store_group<A>(kept + j, v, c);
       }
       return v;
@@ -378,7 +391,7 @@ struct NormCpu {
       std::vector<A> kept(HasRes ? D : 0);
       for (const auto r : c10::irange(begin, end)) {
         const InputRow<HasRes> in{x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr,
-                                  kept.data()};
+                                  kept.data(), streaming};
         forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming, round);
       }
       finish_streaming(streaming);
@@ -466,9 +479,9 @@ struct NormCpu {
   TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes>& in, T* y, const A* w, const A* b, int64_t D, A eps,
                                            A* mean_out, A& rstd_out, bool streaming, bool round) {
     // The first pass over a row reads it through in.load_first; the later ones through `reload`: in.load, or for
-    // half/bfloat16 rows of up to kTwoPassRowBytes, `converted`, which the first pass fills, so that each element is
-    // converted to acc_t once.
-    constexpr bool kConvertOnce = !std::is_same_v<R, A>;
+    // half/bfloat16 rows of up to kTwoPassRowBytes without a residual (which keeps its row as acc_t itself),
+    // `converted`, which the first pass fills, so that each element is converted to acc_t once.
+    constexpr bool kConvertOnce = !std::is_same_v<R, A> && !HasRes;
     alignas(64) A converted[kConvertOnce ? kTwoPassRowBytes / sizeof(A) : 1];
     const auto load = [&](int64_t j, int64_t c) { return in.load(j, c); };
     const auto normalize_reading = [&](const auto& reload, bool fill_converted) {
@@ -498,12 +511,12 @@ struct NormCpu {
           return Sums<A, 1>{v};
         })[0];
       }
-      write_row<HasW, HasB>(reload, in, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
+      write_row<HasW, HasB>(reload, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
         const auto [mean, sum_sq] = row_moments(in, D);
-        write_row<HasW, HasB>(load, in, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
+        write_row<HasW, HasB>(load, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
         return;
       }
       normalize_reading(load, false);  // RMSNorm: one statistics pass at any length
@@ -514,20 +527,18 @@ struct NormCpu {
     }
   }
 
-  // Stores the statistics and writes y = normalized row * w + b, and with a residual the row itself to h; `load`
+  // Stores the statistics and writes y = normalized row * w + b; `load`
   // gives the row as acc_t. `round`: the normalized row is rounded to T before the weight multiply.
-  template <bool HasW, bool HasB, bool HasRes, typename Load>
-  static void write_row(const Load& load, const InputRow<HasRes>& in, T* y, const A* w, const A* b, int64_t D, A eps,
-                        A mean, A sum_sq, A* mean_out, A& rstd_out, bool streaming, bool round) {
+  template <bool HasW, bool HasB, typename Load>
+  static void write_row(const Load& load, T* y, const A* w, const A* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
+                        A& rstd_out, bool streaming, bool round) {
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
     if constexpr (kCentered) *mean_out = mean;
     rstd_out = rstd;
     for_each_step<A>(
         D,
         [&](int64_t j, int64_t c) {
-          const Group<A> row = load(j, c);
-          if constexpr (HasRes) store_output<A>(in.h + j, row, c, streaming);
-          Group<A> v = normalize(row, mean, rstd);
+          Group<A> v = normalize(load(j, c), mean, rstd);
           if constexpr (HasW && HasB) {  // one rounding: xhat * w + b fused
             const Group<A> wv = load_group<A>(w + j, c), bv = load_group<A>(b + j, c);
             for (const auto i : c10::irange(kU)) v[i] = at::vec::fmadd(v[i], wv[i], bv[i]);
