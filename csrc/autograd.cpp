@@ -316,6 +316,28 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& input, cons
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(torch_ln, m) {
+  // The differentiable entry points for eager code. torch.compile, torch.func and forward-mode AD take the *_fwd
+  // operators (csrc/norm_ops.cpp), whose autograd Python registers.
+  m.def(
+      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05)"
+      " -> Tensor");
+  m.def(
+      "rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None, float weight_offset=0.,"
+      " bool round_normalized=False) -> Tensor");
+  m.def(
+      "add_layer_norm(Tensor input, Tensor residual, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None,"
+      " float eps=1e-05, ScalarType? residual_dtype=None) -> (Tensor, Tensor)");
+  m.def(
+      "add_rms_norm(Tensor input, Tensor residual, int[] normalized_shape, Tensor? weight=None, float? eps=None,"
+      " ScalarType? residual_dtype=None) -> (Tensor, Tensor)");
+  // The gradients of a norm (centred: LayerNorm) in torch ops, differentiable, statistics recomputed: the
+  // eager operators' double backward. The Python package registers it (torch_ln.reference.norm_backward).
+  m.def(
+      "norm_backward_composite(Tensor grad_out, Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias,"
+      " float? eps, bool centred) -> Tensor[]");
+}
+
 TORCH_LIBRARY_IMPL(torch_ln, CompositeImplicitAutograd, m) {
   m.impl("layer_norm", &layer_norm_op);
   m.impl("rms_norm", &rms_norm_op);

@@ -168,25 +168,6 @@ void define_norm_schemas(torch::Library& m) {
       "add_rms_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, SymInt[] normalized_shape,"
       " Tensor rstd, Tensor? weight, bool[2] output_mask) -> (Tensor, Tensor)",
       tags);
-  // The differentiable entry points for eager code (csrc/autograd.cpp: a C++ autograd node around the operators
-  // above). torch.compile, torch.func and forward-mode AD take the operators above, whose autograd Python registers.
-  m.def(
-      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05)"
-      " -> Tensor");
-  m.def(
-      "rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None, float weight_offset=0.,"
-      " bool round_normalized=False) -> Tensor");
-  m.def(
-      "add_layer_norm(Tensor input, Tensor residual, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None,"
-      " float eps=1e-05, ScalarType? residual_dtype=None) -> (Tensor, Tensor)");
-  m.def(
-      "add_rms_norm(Tensor input, Tensor residual, int[] normalized_shape, Tensor? weight=None, float? eps=None,"
-      " ScalarType? residual_dtype=None) -> (Tensor, Tensor)");
-  // The gradients of a norm (centred: LayerNorm) in torch ops, differentiable, statistics recomputed: the
-  // eager operators' double backward. The Python package registers it (torch_ln.reference.norm_backward).
-  m.def(
-      "norm_backward_composite(Tensor grad_out, Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias,"
-      " float? eps, bool centred) -> Tensor[]");
 }
 
 }  // namespace torch_ln
