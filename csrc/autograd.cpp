@@ -181,21 +181,36 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
 
 // The fused residual add: the backward reads residual_out (saved, an output) once; the gradient of input and of
 // residual is the same, that of residual_out through the norm plus residual_out's own incoming gradient.
-void save_residual_dtypes(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& residual) {
+void save_fused(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& residual,
+                const at::Tensor& residual_out, const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight,
+                const OptTensor& bias, at::IntArrayRef normalized_shape, const c10::IValue& eps) {
+  const auto [w, b] = parameter_edges(2, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()));
+  const bool keep_rows = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || wants(ctx, w);
+  save(ctx, keep_rows, residual_out, mean, rstd, weight, bias, normalized_shape);
+  ctx->saved_data["eps"] = eps;
   ctx->saved_data["input_dtype"] = input.scalar_type();
   ctx->saved_data["residual_dtype"] = residual.scalar_type();
   ctx->set_materialize_grads(false);  // residual_out's gradient is often absent: no zeros to read
 }
 
-// The incoming gradient of y (zeros when only residual_out was used) and the wanted gradients of the fused op.
-std::pair<at::Tensor, std::array<bool, 3>> fused_backward_inputs(AutogradContext* ctx, const variable_list& grads,
-                                                                 const variable_list& saved) {
-  const auto [w, b] = parameter_edges(2, saved[kWeight], saved[kBias]);
-  const auto dtype = ctx->saved_data["input_dtype"].toScalarType();
+// What a fused backward works from: the saved tensors, the incoming gradient of y (zeros when only residual_out was
+// used) and which of (residual_out, weight, bias) gradients are wanted.
+struct FusedBackward {
+  variable_list saved;
+  std::vector<int64_t> normalized_shape;
+  at::Tensor grad_out;
+  std::array<bool, 3> wanted{};
+};
+
+FusedBackward fused_backward_inputs(AutogradContext* ctx, const variable_list& grads) {
+  FusedBackward in{ctx->get_saved_variables(), ctx->saved_data["normalized_shape"].toIntVector()};
   const auto& like = grads[0].defined() ? grads[0] : grads[1];
-  if (!like.defined()) return {at::Tensor(), {false, false, false}};  // no incoming gradient at all
-  auto grad_out = grads[0].defined() ? grads[0] : at::zeros_like(like, like.options().dtype(dtype));
-  return {grad_out, {ctx->needs_input_grad(0) || ctx->needs_input_grad(1), wants(ctx, w), wants(ctx, b)}};
+  if (!like.defined()) return in;  // no incoming gradient at all
+  const auto dtype = ctx->saved_data["input_dtype"].toScalarType();
+  in.grad_out = grads[0].defined() ? grads[0] : at::zeros_like(like, like.options().dtype(dtype));
+  const auto [w, b] = parameter_edges(2, in.saved[kWeight], in.saved[kBias]);
+  in.wanted = {ctx->needs_input_grad(0) || ctx->needs_input_grad(1), wants(ctx, w), wants(ctx, b)};
+  return in;
 }
 
 variable_list fused_grads(AutogradContext* ctx, const Grads& g) {
@@ -221,22 +236,17 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
       BelowAutogradAndAutocast guard;
       return add_layer_norm_fwd(input, residual, normalized_shape, weight, bias, eps, residual_dtype);
     }();
-    const auto [w, b] = parameter_edges(2, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()));
-    const bool keep_rows = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || wants(ctx, w);
-    save(ctx, keep_rows, residual_out, mean, rstd, weight, bias, normalized_shape);
-    ctx->saved_data["eps"] = eps;
-    save_residual_dtypes(ctx, input, residual);
+    save_fused(ctx, input, residual, residual_out, mean, rstd, weight, bias, normalized_shape, eps);
     return {y, residual_out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto shape = ctx->saved_data["normalized_shape"].toIntVector();
-    const auto [grad_out, wanted] = fused_backward_inputs(ctx, grads, saved);
-    const auto weight = optional(saved[kWeight]), bias = optional(saved[kBias]);
-    return fused_grads(ctx, norm_grads(ctx, saved, grad_out, grads[1], wanted, true, [&] {
-                         return as_grads(add_layer_norm_bwd(grad_out, optional(grads[1]), saved[kNormInput], shape,
-                                                            saved[kMean], saved[kRstd], weight, bias, wanted));
+    const auto in = fused_backward_inputs(ctx, grads);
+    const auto& saved = in.saved;
+    return fused_grads(ctx, norm_grads(ctx, saved, in.grad_out, grads[1], in.wanted, true, [&] {
+                         return as_grads(add_layer_norm_bwd(
+                             in.grad_out, optional(grads[1]), saved[kNormInput], in.normalized_shape, saved[kMean],
+                             saved[kRstd], optional(saved[kWeight]), optional(saved[kBias]), in.wanted));
                        }));
   }
 };
@@ -249,24 +259,20 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
       BelowAutogradAndAutocast guard;
       return add_rms_norm_fwd(input, residual, normalized_shape, weight, eps, residual_dtype);
     }();
-    const bool keep_rows = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || (weight && ctx->needs_input_grad(2));
-    save(ctx, keep_rows, residual_out, at::Tensor(), rstd, weight, std::nullopt, normalized_shape);
-    ctx->saved_data["eps"] = eps;
-    save_residual_dtypes(ctx, input, residual);
+    save_fused(ctx, input, residual, residual_out, at::Tensor(), rstd, weight, std::nullopt, normalized_shape, eps);
     return {y, residual_out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto shape = ctx->saved_data["normalized_shape"].toIntVector();
-    const auto [grad_out, wanted] = fused_backward_inputs(ctx, grads, saved);
-    const auto weight = optional(saved[kWeight]);
-    auto out = fused_grads(
-        ctx, norm_grads(ctx, saved, grad_out, grads[1], wanted, false, [&] {
-          return as_grads(std::tuple_cat(add_rms_norm_bwd(grad_out, optional(grads[1]), saved[kNormInput], shape,
-                                                          saved[kRstd], weight, {wanted[0], wanted[1]}),
-                                         std::make_tuple(at::Tensor())));
-        }));
+    const auto in = fused_backward_inputs(ctx, grads);
+    const auto& saved = in.saved;
+    auto out =
+        fused_grads(ctx, norm_grads(ctx, saved, in.grad_out, grads[1], in.wanted, false, [&] {
+                      return as_grads(std::tuple_cat(
+                          add_rms_norm_bwd(in.grad_out, optional(grads[1]), saved[kNormInput], in.normalized_shape,
+                                           saved[kRstd], optional(saved[kWeight]), {in.wanted[0], in.wanted[1]}),
+                          std::make_tuple(at::Tensor())));
+                    }));
     out.pop_back();  // no bias argument
     return out;
   }
