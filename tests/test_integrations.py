@@ -14,6 +14,7 @@ from torch import nn
 
 import torch_ln
 from torch_ln import integrations, reference
+from torch_ln.integrations import tiny_llama_config
 from torch_ln.modules import _is_torch_ln
 
 transformers = pytest.importorskip("transformers", reason="the transformers tests need transformers (pip install)")
@@ -336,17 +337,7 @@ def test_patch_transformers_builds_torch_ln_norms():
 
 
 def _llama_config(cls=None, **extra):
-    cls = cls or transformers.LlamaConfig
-    return cls(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **extra,
-    )
+    return tiny_llama_config(cls or transformers.LlamaConfig, **extra)
 
 
 def _tokens(config):

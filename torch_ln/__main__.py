@@ -14,6 +14,7 @@ from torch import nn
 
 import torch_ln
 from torch_ln import benchmark
+from torch_ln.integrations import tiny_llama_config
 
 SHAPES = ((4096, 768), (2048, 4096), (512, 8192))
 TOLERANCE = 1e-4  # float32 models: only the norms' rounding differs
@@ -63,14 +64,7 @@ def check_hf_llama(device: str) -> bool:
         print("HF Llama check: skipped (transformers is not installed; pip install 'torch_ln[test]')")
         return True
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = tiny_llama_config(transformers.LlamaConfig)
     model = transformers.LlamaForCausalLM(config).to(device)
     with torch.no_grad():  # norm weights away from their initial ones, so the weight path is exercised
         for p in model.parameters():

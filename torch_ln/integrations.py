@@ -36,7 +36,7 @@ from torch import Tensor
 from torch_ln import ops
 from torch_ln.modules import _RESOLVERS, Converter, converter_for, forward_converter, register_norm
 
-__all__ = ["FAMILIES", "arithmetic_signature", "patch_transformers", "swappable"]
+__all__ = ["FAMILIES", "arithmetic_signature", "patch_transformers", "swappable", "tiny_llama_config"]
 
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -227,3 +227,18 @@ def patch_transformers(*model_types: str) -> Iterator[list[str]]:
 def swappable(cls: type) -> bool:
     """Whether :func:`torch_ln.replace_norms` swaps modules of class ``cls``."""
     return converter_for(cls) is not None
+
+
+def tiny_llama_config(config_cls, **overrides):
+    """A two-layer Llama-family config (``transformers.LlamaConfig`` or a sibling) for random-weight models: no
+    download. The self-check (``python -m torch_ln``) and the integration tests build their models from it."""
+    sizes = {
+        "vocab_size": 97,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    return config_cls(**{**sizes, **overrides})
