@@ -1,7 +1,7 @@
 // Autograd in C++ for eager calls: the operators torch_ln::layer_norm, rms_norm, add_layer_norm and add_rms_norm
 // apply a torch::autograd::Function around the *_fwd operator, which saves the statistics, and call the *_bwd
-// operator in the backward. A Python autograd.Function costs ~30 us a call on the dev VM, which is the whole cost
-// of a 1 MiB norm; this node costs what torch's own layer_norm pays. It is also what makes the C++ API trainable.
+// operator in the backward. On the 2-core dev VM a Python autograd.Function cost ~30 us a call (a third of a 1 MiB
+// float32 norm); this node ~10 us (torch's generated one ~3 us). It is also what makes the C++ API trainable.
 // torch.compile, torch.func and forward-mode AD keep the *_fwd operators and their Python registration: a C++
 // Function has no jvp, no vmap rule and is not traceable. torch_ln.ops picks one or the other per call.
 #include <ATen/core/dispatch/Dispatcher.h>
