@@ -207,7 +207,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
     // Every load of x in the row is issued before the first use: predicated loads of the vectors as stored,
-    // converted after. (A residual is read vector by vector as it is added, as registers allow.)
+    // converted after. (A residual is read vector by vector as it is added: float32 rows would spill holding
+    // both x and the residual as stored.)
     Vec<T, VEC> raw[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {

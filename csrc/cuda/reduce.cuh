@@ -29,8 +29,8 @@ TLN_DEVICE void load_vec(const T* p, int64_t i, acc_t (&out)[VEC], dev::Site sit
   to_acc(dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p + i), site), out);
 }
 
-// The VEC elements at element `i` of `p` as stored, where `pred` holds (zeros elsewhere; p may then be null):
-// the register kernels load a whole row so, then convert it with to_acc, so every load is in flight at once.
+// The VEC elements at element `i` of `p` as stored where `pred` holds, zeros elsewhere: the register kernels
+// load a row's vectors so, before converting any (to_acc), so that the loads are in flight together.
 template <int VEC, typename T>
 TLN_DEVICE Vec<T, VEC> load_vec_if(bool pred, const T* p, int64_t i, dev::Site site = TLN_SITE) {
   return dev::load_global_if(pred, reinterpret_cast<const Vec<T, VEC>*>(p), i / VEC, site);
