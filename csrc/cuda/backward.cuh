@@ -136,14 +136,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     acc_t xhat[ITEMS][VEC], dy[ITEMS][VEC];
-    // Every load of the row is issued before the first use: the loads are in flight together.
+    // Every load of the row is issued before the first use: predicated loads in straight-line code (no branch
+    // per vector), so the loads are in flight together.
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      const int64_t c = layout.vector(k);
-      if (active && c < nvec) {
-        load_vec<VEC>(p.x + row * p.cols, c * VEC, xhat[k]);
-        load_vec<VEC>(p.dy + row * p.cols, c * VEC, dy[k]);
-      }
+      const bool in_row = active && layout.vector(k) < nvec;
+      // float64 rows are bound by their arithmetic, and all their loads at once would spill: one branch each.
+      if (sizeof(acc_t) == 8 && !in_row) continue;
+      to_acc(load_vec_if<VEC>(in_row, p.x, row * p.cols + layout.vector(k) * VEC), xhat[k]);
+      to_acc(load_vec_if<VEC>(in_row, p.dy, row * p.cols + layout.vector(k) * VEC), dy[k]);
     }
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
 #pragma unroll

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #if defined(__CUDACC__)
@@ -74,6 +75,27 @@ TLN_DEVICE void store_global(T* p, const T& v, Site = TLN_SITE) {
     }
   } else {
     *p = v;
+  }
+}
+// *(base + offset) where `pred` holds, zeros elsewhere. 16-byte multiples load as predicated PTX: a row's
+// loads under their bounds checks stay straight-line code, which ptxas issues together before their first use
+// (as branches, each LDG sat in its own block beside its use: 2 of a bfloat16 row's 4 loads were in flight).
+template <typename T>
+TLN_DEVICE T load_global_if(bool pred, const T* base, int64_t offset, Site = TLN_SITE) {
+  if constexpr (sizeof(T) % 16 == 0 && alignof(T) >= 16) {
+    const char* p = reinterpret_cast<const char*>(base + offset);
+    unsigned w[sizeof(T) / 4] = {};
+#pragma unroll
+    for (size_t k = 0; k < sizeof(T) / 16; ++k) {
+      asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %4, 0;\n @p ld.global.v4.b32 {%0, %1, %2, %3}, [%5];\n}"
+                   : "+r"(w[4 * k]), "+r"(w[4 * k + 1]), "+r"(w[4 * k + 2]), "+r"(w[4 * k + 3])
+                   : "r"(static_cast<int>(pred)), "l"(p + 16 * k));
+    }
+    T v;
+    memcpy(&v, w, sizeof(T));
+    return v;
+  } else {
+    return pred ? base[offset] : T{};
   }
 }
 template <typename T>
@@ -171,6 +193,10 @@ template <typename T>
 void store_global(T* p, const T& v, Site site = TLN_SITE) {
   emu::record_access(emu::Space::Global, p, sizeof(T), true, {site.file_name(), site.line()});
   *p = v;
+}
+template <typename T>
+T load_global_if(bool pred, const T* base, int64_t offset, Site site = TLN_SITE) {
+  return pred ? load_global(base + offset, site) : T{};
 }
 template <typename T>
 T load_shared(const T* p, Site site = TLN_SITE) {

@@ -27,16 +27,22 @@ struct ForwardParams {
   bool staged_params;  // the register kernel: each block copies the weight and bias to shared memory
 };
 
-// The first read of one vector of a row (element offset i): x, or x + residual rounded to R (as torch's add
-// rounds), which keep_input then stores to residual_out.
+// With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
+// vector of x (element offset i), which keep_input then stores to residual_out.
 template <int VEC, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
-  load_vec<VEC>(p.x + row * p.cols, i, v);
+TLN_DEVICE void add_residual(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   if (p.residual == nullptr) return;
   acc_t r[VEC];
   load_vec<VEC>(p.residual + row * p.cols, i, r);
 #pragma unroll
   for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(static_cast<R>(v[j] + r[j]));
+}
+
+// The first read of one vector of a row (element offset i).
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
+  load_vec<VEC>(p.x + row * p.cols, i, v);
+  add_residual(p, row, i, v);
 }
 
 // Stores x + residual to residual_out (for the caller, and for the later passes); nothing without a residual.
@@ -200,16 +206,21 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
   for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
     const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
-    acc_t v[ITEMS][VEC];
-    // Every load of the row is issued before the first use or store: the loads are in flight together.
+    // Every load of x in the row is issued before the first use: predicated loads of the vectors as stored,
+    // converted after. (A residual is read vector by vector as it is added: float32 rows would spill holding
+    // both x and the residual as stored.)
+    Vec<T, VEC> raw[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (active && layout.vector(k) < nvec) load_input(p, row, layout.vector(k) * VEC, v[k]);
+      raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, p.x, row * p.cols + layout.vector(k) * VEC);
     }
+    acc_t v[ITEMS][VEC];
     acc_t sum = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (active && layout.vector(k) < nvec) {
+        to_acc(raw[k], v[k]);
+        add_residual(p, row, layout.vector(k) * VEC, v[k]);
         keep_input(p, row, layout.vector(k) * VEC, v[k]);
         sum += vector_sum(v[k]);
       }

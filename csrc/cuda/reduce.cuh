@@ -17,12 +17,23 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+template <int VEC, typename acc_t, typename T>
+TLN_DEVICE void to_acc(const Vec<T, VEC>& v, acc_t (&out)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = static_cast<acc_t>(v.v[j]);
+}
+
 // Loads VEC elements starting at element `i` of `p`, converted to acc_t.
 template <int VEC, typename acc_t, typename T>
 TLN_DEVICE void load_vec(const T* p, int64_t i, acc_t (&out)[VEC], dev::Site site = TLN_SITE) {
-  const Vec<T, VEC> v = dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p + i), site);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) out[j] = static_cast<acc_t>(v.v[j]);
+  to_acc(dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p + i), site), out);
+}
+
+// The VEC elements at element `i` of `p` as stored where `pred` holds, zeros elsewhere: the register kernels
+// load a row's vectors so, before converting any (to_acc), so that the loads are in flight together.
+template <int VEC, typename T>
+TLN_DEVICE Vec<T, VEC> load_vec_if(bool pred, const T* p, int64_t i, dev::Site site = TLN_SITE) {
+  return dev::load_global_if(pred, reinterpret_cast<const Vec<T, VEC>*>(p), i / VEC, site);
 }
 
 template <int VEC, typename acc_t, typename T>
