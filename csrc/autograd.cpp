@@ -54,15 +54,18 @@ std::array<int64_t, 2> parameter_edges(int64_t first, const at::Tensor& weight, 
 bool wants(AutogradContext* ctx, int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
 
 // Saved: the norm's input and statistics (only when the gradient of the input or the weight is wanted: the bias
-// gradient alone needs none of them, and they are not kept alive for it), then weight and bias.
+// gradient alone needs none of them, and they are not kept alive for it), then weight and bias; the shape and eps
+// in saved_data.
 enum Saved { kNormInput, kMean, kRstd, kWeight, kBias };
 
 void save(AutogradContext* ctx, bool keep_rows, const at::Tensor& norm_input, const at::Tensor& mean,
-          const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, at::IntArrayRef normalized_shape) {
+          const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias, at::IntArrayRef normalized_shape,
+          const c10::IValue& eps) {
   const at::Tensor none;
   ctx->save_for_backward({keep_rows ? norm_input : none, keep_rows ? mean : none, keep_rows ? rstd : none,
                           weight.value_or(none), bias.value_or(none)});
   ctx->saved_data["normalized_shape"] = normalized_shape.vec();
+  ctx->saved_data["eps"] = eps;
 }
 
 // The bias gradient: grad_out summed over the batch dimensions in float32 (float64), then rounded to bias's dtype.
@@ -127,8 +130,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
       return layer_norm_fwd(input, normalized_shape, weight, bias, eps);
     }();
     const auto [w, b] = parameter_edges(1, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()));
-    save(ctx, ctx->needs_input_grad(0) || wants(ctx, w), input, mean, rstd, weight, bias, normalized_shape);
-    ctx->saved_data["eps"] = eps;
+    save(ctx, ctx->needs_input_grad(0) || wants(ctx, w), input, mean, rstd, weight, bias, normalized_shape, eps);
     return y;
   }
 
@@ -154,9 +156,9 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
       BelowAutogradAndAutocast guard;
       return rms_norm_fwd(input, normalized_shape, weight, eps, weight_offset, round_normalized);
     }();
-    save(ctx, ctx->needs_input_grad(0) || (weight && ctx->needs_input_grad(1)), input, at::Tensor(), rstd, weight,
-         std::nullopt, normalized_shape);
-    ctx->saved_data["eps"] = eps;
+    const auto [w, _] = parameter_edges(1, weight.value_or(at::Tensor()), at::Tensor());
+    save(ctx, ctx->needs_input_grad(0) || wants(ctx, w), input, at::Tensor(), rstd, weight, std::nullopt,
+         normalized_shape, eps);
     ctx->saved_data["weight_offset"] = weight_offset;
     ctx->saved_data["round_normalized"] = round_normalized;
     return y;
@@ -165,8 +167,8 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto shape = ctx->saved_data["normalized_shape"].toIntVector();
-    const std::array<bool, 3> wanted{ctx->needs_input_grad(0), saved[kWeight].defined() && ctx->needs_input_grad(1),
-                                     false};
+    const auto [w, _] = parameter_edges(1, saved[kWeight], at::Tensor());
+    const std::array<bool, 3> wanted{ctx->needs_input_grad(0), wants(ctx, w), false};
     const auto weight = optional(saved[kWeight]);
     const auto weight_offset = ctx->saved_data["weight_offset"].toDouble();
     const auto round_normalized = ctx->saved_data["round_normalized"].toBool();
@@ -186,8 +188,7 @@ void save_fused(AutogradContext* ctx, const at::Tensor& input, const at::Tensor&
                 const OptTensor& bias, at::IntArrayRef normalized_shape, const c10::IValue& eps) {
   const auto [w, b] = parameter_edges(2, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()));
   const bool keep_rows = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || wants(ctx, w);
-  save(ctx, keep_rows, residual_out, mean, rstd, weight, bias, normalized_shape);
-  ctx->saved_data["eps"] = eps;
+  save(ctx, keep_rows, residual_out, mean, rstd, weight, bias, normalized_shape, eps);
   ctx->saved_data["input_dtype"] = input.scalar_type();
   ctx->saved_data["residual_dtype"] = residual.scalar_type();
   ctx->set_materialize_grads(false);  // residual_out's gradient is often absent: no zeros to read
