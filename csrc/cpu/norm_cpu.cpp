@@ -301,8 +301,14 @@ struct NormCpu {
     return offset == 0 ? converted : converted.add(offset);  // the offset added in acc_t, as Gemma adds its 1
   }
 
-  // v rounded to the input dtype and back (the identity when that is acc_t): Llama-style rounding.
-  static Group<A> round_to_input(const Group<A>& v) { return unpack<A, T>(pack<A, T>(v)); }
+  // Rounds v to the input dtype and back when `round` (Llama-style rounding); nothing to do when that is acc_t. In
+  // place, not as `round ? rounded(v) : v`: GCC copies such a select of Groups through the stack in 16-byte halves
+  // and reloads them whole (a store-forwarding stall per vector: the float32 backward ran at half torch's speed).
+  static void round_to_input_if(Group<A>& v, bool round) {
+    if constexpr (!std::is_same_v<T, A>) {
+      if (round) v = unpack<A, T>(pack<A, T>(v));
+    }
+  }
 
   // g = dy * w (dy without weight).
   template <bool HasW>
@@ -546,7 +552,8 @@ struct NormCpu {
             const Group<A> bv = load_group<A>(b + j, c);
             for (const auto i : c10::irange(kU)) v[i] = v[i] + bv[i];
           } else {
-            v = times_weight<HasW>(round ? round_to_input(v) : v, w + j, c);
+            round_to_input_if(v, round);
+            v = times_weight<HasW>(v, w + j, c);
           }
           store_output<A>(y + j, v, c, streaming);
         },
@@ -611,15 +618,17 @@ struct NormCpu {
     // g = dy * w, rounded to T under Llama-style rounding (autograd's dtype cast passes the gradient on in T).
     template <bool HasW>
     Group<A> weighted(const Group<A>& dy, int64_t j, int64_t c) const {
-      const Group<A> g = times_weight<HasW>(dy, w + j, c);
-      return round ? round_to_input(g) : g;
+      Group<A> g = times_weight<HasW>(dy, w + j, c);
+      round_to_input_if(g, round);
+      return g;
     }
 
     // The dweight term dy * xhat; under Llama-style rounding, the rounded xhat and the product rounded to T.
     Group<A> weight_term(const Group<A>& dy, Group<A> xhat) const {
-      if (round) xhat = round_to_input(xhat);
+      round_to_input_if(xhat, round);
       for (const auto i : c10::irange(kU)) xhat[i] = dy[i] * xhat[i];
-      return round ? round_to_input(xhat) : xhat;
+      round_to_input_if(xhat, round);
+      return xhat;
     }
 
     A mean_of(int64_t r) const { return kCentered ? mean[r] : A(0); }
