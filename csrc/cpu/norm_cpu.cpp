@@ -215,16 +215,19 @@ using Sums = std::array<Group<A>, S>;
 // grows with log(D) instead of D, which keeps e.g. the mean of a large-offset row accurate.
 template <typename A, size_t S, typename Term>
 TORCH_LN_FLATTEN Sums<A, S> sum_steps(int64_t j0, int64_t steps, const Term& term) {
-  Sums<A, S> acc;
   if (steps > kLeafSteps) {
     const int64_t half = steps / 2;
-    acc = sum_steps<A, S>(j0, half, term);
+    Sums<A, S> acc = sum_steps<A, S>(j0, half, term);
     const Sums<A, S> rest = sum_steps<A, S>(j0 + half * kStep<A>, steps - half, term);
     for (const auto s : c10::irange(S))
       for (const auto i : c10::irange(kU)) acc[s][i] += rest[s][i];
     return acc;
   }
-  for (auto& group : acc) group.fill(Vectorized<A>(A(0)));
+  // The leaf's sums of its own, not shared with the merge above (whose come back through memory): GCC then keeps
+  // them in registers instead of zeroing them with `rep stos` and reloading them.
+  Sums<A, S> acc;
+  for (auto& group : acc)
+    for (auto& v : group) v = Vectorized<A>(A(0));
   for (const auto k : c10::irange(steps)) {
     const Sums<A, S> t = term(j0 + k * kStep<A>, kStep<A>);
     for (const auto s : c10::irange(S))
@@ -367,7 +370,10 @@ struct NormCpu {
     }
 
     // The same elements in a later pass.
-    Group<A> load(int64_t j, int64_t c) const { return HasRes ? load_group<A>(kept + j, c) : load_group<A>(x + j, c); }
+    Group<A> load(int64_t j, int64_t c) const {
+      if constexpr (HasRes) return load_group<A>(kept + j, c);
+      return load_group<A>(x + j, c);
+    }
 
     // The first element, as load gives it.
     A front() const {
@@ -411,10 +417,9 @@ struct NormCpu {
   template <bool HasRes>
   TORCH_LN_FLATTEN static std::pair<Group<A>, Group<A>> lane_moments(const InputRow<HasRes>& in, int64_t j0,
                                                                      int64_t steps, A shift) {
-    Group<A> m, q;
     if (steps > kLeafSteps) {
       const int64_t half = steps / 2;
-      std::tie(m, q) = lane_moments(in, j0, half, shift);
+      auto [m, q] = lane_moments(in, j0, half, shift);
       const auto [m_rest, q_rest] = lane_moments(in, j0 + half * kStep<A>, steps - half, shift);
       const A n = static_cast<A>(steps), rest_share = static_cast<A>(steps - half) / n;
       const VA cross(static_cast<A>(half) * rest_share);  // half * rest / n
@@ -425,8 +430,9 @@ struct NormCpu {
       }
       return {m, q};
     }
-    m.fill(VA(A(0)));
-    q.fill(VA(A(0)));
+    // The leaf's sums of its own, as in sum_steps.
+    Group<A> m, q;
+    for (const auto i : c10::irange(kU)) m[i] = q[i] = VA(A(0));
     for (const auto k : c10::irange(steps)) {
       Group<A> v = in.load_first(j0 + k * kStep<A>, kStep<A>);
       const VA inv_count(A(1) / static_cast<A>(k + 1));
