@@ -58,8 +58,7 @@ MODULE_CASES = [
     pytest.param(CohereLayerNorm, lambda w: 1 + 0.3 * w, id="cohere"),
 ]
 
-# M=1: a single row; D=4099 (prime): the scalar tails of every kernel loop, and rows past the CPU kernel's
-# one-read statistics threshold; D=64: the usual vector path.
+# M=1: a single row; D=4099 (prime): the scalar tails of every kernel loop; D=64: the usual vector path.
 SHAPES = [(1, 64), (37, 64), (8, 4099)]
 
 
@@ -213,7 +212,7 @@ ROUNDING = [
     ],
 )
 # M=1 and prime D (scalar tails); 1 and 5 rows: the CPU backward's column split (< 32 rows); 37 and 64 rows: its
-# row chunks; D=4099: the forward's long-row path.
+# row chunks; D=4099: many whole steps, then a scalar tail.
 @pytest.mark.parametrize("rows, cols", [(1, 1021), (5, 4099), (37, 64), (64, 2048)])
 def test_rounding_options_cpu_kernels(rounding, dtype, param_dtype, rows, cols):
     """The CPU forward is the rounding model (torch_ln.reference.apply_weight on the kernel's own rstd) bit for

@@ -278,14 +278,20 @@ struct NormCpu {
 
   // LayerNorm rows up to this size (as acc_t) get their statistics in two passes (the mean, then the variance
   // around it), the second from cache; longer ones in one read (row_moments, cascaded Welford), so the forward reads
-  // memory twice in all, not three times. Half/bfloat16 rows are converted once into a stack buffer of this size,
-  // so stay small; rows read as they are go up to half a core's L2 (the row must survive the output stream between
-  // passes). Measured on the 2-core dev VM, float32 forward, 8 MiB of input, default malloc, against torch:
+  // memory twice in all, not three times: up to half a core's L2 (the row must survive the output stream between
+  // passes). Half/bfloat16 rows are converted once, into a per-thread acc_t row that the later passes read.
+  // Measured on the 2-core dev VM, float32 forward, 8 MiB of input, default malloc, against torch:
   // D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
-  // and merges cost more than loads from L1/L2). From the 2-core VM for half/bfloat16: from 2048 elements on, the
-  // one read is 5-15% faster than two passes that re-convert. The same limits hold after a residual add (whose row
-  // is kept as acc_t), so that the fused ops' statistics are bitwise those of the plain norm of residual_out.
-  static constexpr int64_t kTwoPassRowBytes = std::is_same_v<R, A> ? 512 * 1024 : 4 * 1024;
+  // and merges cost more than loads from L1/L2); bfloat16, single thread, 1 MiB: D=4096/8192 0.89x/~1.0x with one
+  // read, 1.4x/1.35x converted once (a 4 KiB stack buffer limited that to 1024 elements before). The same limit holds
+  // after a residual add (whose row is kept as acc_t), so that the fused ops' statistics are bitwise those of the
+  // plain norm of residual_out.
+  static constexpr int64_t kTwoPassRowBytes = 512 * 1024;
+  // Whether the forward converts a row once into InputRow::kept: half/bfloat16 rows without a residual, up to
+  // kTwoPassRowBytes.
+  static constexpr bool converts_once(bool has_residual, int64_t D) {
+    return !std::is_same_v<R, A> && !has_residual && D * static_cast<int64_t>(sizeof(A)) <= kTwoPassRowBytes;
+  }
 
   // Rows per parallel task: about kGrainElements elements.
   static constexpr int64_t kGrainElements = 32768;
@@ -345,6 +351,7 @@ struct NormCpu {
   // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R. The first pass over a row
   // adds and rounds each element once, writes h from the rounded vectors (streamed like y: h never displaces the
   // inputs from the cache) and keeps h as acc_t in `kept` (a per-thread row, in cache), which the later passes read.
+  // Without a residual, `kept` is the buffer of converts_once rows (forward_row fills it), else null.
   // (Re-adding and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16 RMSNorm at D >= 2048
   // took 1.3-1.6x the unfused pair's CPU time, against 1.0-1.1x so.)
   template <bool HasRes>
@@ -400,7 +407,7 @@ struct NormCpu {
     const A eps = static_cast<A>(a.eps);
     const bool streaming = use_streaming_stores(a.y.nbytes()), round = a.rounding.round_normalized;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
-      std::vector<A> kept(HasRes ? D : 0);
+      std::vector<A> kept(HasRes || converts_once(HasRes, D) ? D : 0);
       for (const auto r : c10::irange(begin, end)) {
         const InputRow<HasRes> in{x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr,
                                   kept.data(), streaming};
@@ -491,10 +498,9 @@ struct NormCpu {
   TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes>& in, T* y, const A* w, const A* b, int64_t D, A eps,
                                            A* mean_out, A& rstd_out, bool streaming, bool round) {
     // The first pass over a row reads it through in.load_first; the later ones through `reload`: in.load, or for
-    // half/bfloat16 rows of up to kTwoPassRowBytes without a residual (which keeps its row as acc_t itself),
-    // `converted`, which the first pass fills, so that each element is converted to acc_t once.
-    constexpr bool kConvertOnce = !std::is_same_v<R, A> && !HasRes;
-    alignas(64) A converted[kConvertOnce ? kTwoPassRowBytes / sizeof(A) : 1];
+    // converts_once rows, in.kept, which the first pass fills, so that each element is converted to acc_t once.
+    constexpr bool kConvertOnce = !std::is_same_v<R, A> && !HasRes;  // converts_once rows of this type, if short
+    A* converted = in.kept;
     const auto load = [&](int64_t j, int64_t c) { return in.load(j, c); };
     const auto normalize_reading = [&](const auto& reload, bool fill_converted) {
       const auto first_pass = [&](int64_t j, int64_t c) {
@@ -507,7 +513,7 @@ struct NormCpu {
       A mean = 0, sum_sq = 0;
       if constexpr (kCentered) {
         mean = row_sums<A, 1>(D, [&](int64_t j, int64_t c) { return Sums<A, 1>{first_pass(j, c)}; })[0] / D;
-        // Two-pass variance over a row still in L1, centered on the mean: no E[x^2] - E[x]^2 cancellation.
+        // Two-pass variance over a row still in cache, centered on the mean: no E[x^2] - E[x]^2 cancellation.
         sum_sq = row_sums<A, 1>(D, [&](int64_t j, int64_t c) {
           Group<A> v = reload(j, c);
           for (auto& e : v) {
