@@ -47,7 +47,8 @@ T* mutable_data_or_null(const at::Tensor& t) {
 
 // Calls f(kernel) with the row kernel a plan calls for. Kernels names a
 // direction's kernels: Kernels::get<K, VEC, ITEMS>() is the register kernel for
-// that tier, or the multi-pass one for ITEMS == 0; Kernels::budget is its
+// that tier, or the multi-pass one for ITEMS == 0; Kernels::shared_row<K, VEC>(),
+// where the direction has one, the shared-memory kernel; Kernels::budget is its
 // register budget. The norm kind and the vector width (16 bytes of T, or 1 for
 // the scalar path) become compile-time constants here.
 template <typename Kernels, typename T, typename F>
@@ -56,6 +57,9 @@ void with_row_kernel(NormKind kind, const RowPlan& plan, F&& f) {
     constexpr NormKind K = decltype(kind_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr int kLargeItems = large_items(VEC, Kernels::budget);
+    if constexpr (requires { Kernels::template shared_row<K, VEC>(); }) {
+      if (plan.shared_row()) return f(Kernels::template shared_row<K, VEC>());
+    }
     if (plan.multipass()) {
       f(Kernels::template get<K, VEC, 0>());
     } else if (plan.items == kSmallItems) {

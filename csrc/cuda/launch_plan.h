@@ -14,6 +14,7 @@ struct DeviceLimits {
   int num_sms;
   int max_threads_per_sm;
   size_t max_shared_per_block;  // dynamic shared memory a block may have (opted in beyond 48 KB)
+  int max_cluster_blocks;       // blocks a thread-block cluster may have: 8 on sm_90 (portable), 1 without clusters
 };
 
 constexpr int kVectorBytes = 16;        // one 128-bit load or store
@@ -52,12 +53,17 @@ constexpr int large_items(int vec, RegisterBudget budget) {
 
 struct RowPlan {
   int vec;              // elements per access: a 16-byte vector, or 1 (the scalar path)
-  int items;            // vectors per thread kept in registers; 0 means the multi-pass path
+  int items;            // vectors per thread kept in registers; 0: the row is not (shared-memory or multi-pass path)
   int threads_per_row;  // a power of two; rows of <= 32 threads live inside one warp
   int rows_per_block;
   int64_t blocks;
+  // The shared-memory path: a row staged in the shared memory of this many blocks (a thread-block cluster when
+  // more than one), each holding slice_vectors of it; 0 otherwise.
+  int cluster_blocks;
+  int64_t slice_vectors;
 
-  bool multipass() const { return items == 0; }
+  bool shared_row() const { return cluster_blocks > 0; }
+  bool multipass() const { return items == 0 && !shared_row(); }
   int block_threads() const { return threads_per_row * rows_per_block; }
   // Shared memory for block-wide reductions of up to two values per warp.
   template <typename acc_t>
@@ -80,13 +86,46 @@ inline int next_pow2(int64_t n) {
   return p;
 }
 
+// The shared-memory path (the forward): a block of kSharedRowThreads per row slice, each thread loading
+// kSharedRowUnroll vectors at a time (all in flight before the first is used), at most kMaxClusterBlocks blocks
+// (the portable cluster size) per row.
+constexpr int kSharedRowThreads = 512;
+constexpr int kSharedRowUnroll = 8;
+constexpr int kMaxClusterBlocks = 8;
+
+// Shared memory of the shared-memory path's block: its slice of the row (vectors of `vec` elements of
+// `row_elem_bytes`), then the partial sums of two cluster reductions, then the row-sum scratch.
+constexpr size_t shared_row_bytes(int64_t slice_vectors, int vec, size_t row_elem_bytes, size_t acc_bytes) {
+  return static_cast<size_t>(ceil_div(slice_vectors * vec * static_cast<int64_t>(row_elem_bytes), 16) * 16) +
+         (2 + 2 * kSharedRowThreads / 32) * acc_bytes;
+}
+
+// Room for the shared-memory path: what a row element takes there (the type of the normalized row), the
+// accumulator's size, the device's shared memory per block (0: no shared-memory path) and cluster size.
+struct SharedRowSpace {
+  size_t row_elem_bytes = 0, acc_bytes = 0, smem_per_block = 0;
+  int max_cluster_blocks = 1;
+};
+
+// The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
+// their shared memory, or 0 where none does: a function of D, dtype and alignment (and the device) only.
+inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s) {
+  for (int c = 1; c <= std::min(s.max_cluster_blocks, kMaxClusterBlocks); c *= 2) {
+    if (shared_row_bytes(ceil_div(nvec, c), vec, s.row_elem_bytes, s.acc_bytes) <= s.smem_per_block) return c;
+  }
+  return 0;
+}
+
 // Plans the row kernels for M rows of D elements of `elem_bytes` each.
 // `vectorizable`: every pointer involved is 16-byte aligned and each row starts
 // 16-byte aligned (D * elem_bytes % 16 == 0); otherwise the scalar path runs.
 // Rows beyond the grid are handled by a grid-stride loop. The layout depends
 // only on D, dtype and alignment, never on M: that makes a row's result
 // independent of its batch.
-inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget) {
+// Rows too long for registers go to the shared-memory path where `shared` has room for them (the forward), to
+// the multi-pass path otherwise.
+inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget,
+                         const SharedRowSpace& shared = {}) {
   RowPlan p{};
   p.vec = vectorizable ? kVectorBytes / elem_bytes : 1;
   const int64_t nvec = ceil_div(D, p.vec);
@@ -97,6 +136,11 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
   } else if (nvec <= int64_t{large} * budget.max_threads) {  // the row fits in the registers of a block
     p.items = large;
     p.threads_per_row = std::max(32, next_pow2(ceil_div(nvec, large)));
+  } else if (const int cluster = shared_row_cluster(nvec, p.vec, shared); cluster > 0) {  // staged on chip
+    p.items = 0;
+    p.threads_per_row = kSharedRowThreads;
+    p.cluster_blocks = cluster;
+    p.slice_vectors = ceil_div(nvec, cluster);
   } else {  // very long rows: a block per row, several passes over global memory
     p.items = 0;
     p.threads_per_row = budget.max_threads;
@@ -113,6 +157,14 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
 // occupancy at its launch configuration, from the occupancy API.
 inline void limit_to_one_wave(RowPlan& p, const DeviceLimits& d, int blocks_per_sm) {
   p.blocks = std::max<int64_t>(1, std::min(p.blocks, int64_t{d.num_sms} * std::max(1, blocks_per_sm)));
+}
+
+// The shared-memory path's grid: a cluster of cluster_blocks per row, as many clusters as the device holds at once
+// (`resident_clusters`, from the occupancy API), each walking rows.
+inline void limit_to_resident_clusters(RowPlan& p, int64_t rows, int64_t resident_clusters) {
+  const int64_t clusters =
+      std::max<int64_t>(1, std::min({rows, resident_clusters, (int64_t{1} << 30) / kMaxClusterBlocks}));
+  p.blocks = clusters * p.cluster_blocks;
 }
 
 }  // namespace torch_ln
