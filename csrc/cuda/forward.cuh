@@ -24,7 +24,7 @@ struct ForwardParams {
   const R* residual;  // nullptr: no residual add; otherwise the norm is of residual_out = x + residual
   R* residual_out;
   DeviceRounding<acc_t> rounding;
-  bool staged_params;  // the register kernel: each block copies the weight and bias to shared memory
+  bool staged_params;  // each block keeps the weight and bias (the shared-memory kernel: its slice) in shared memory
   int cluster_blocks;  // the shared-memory kernel: blocks a row is staged over (RowPlan::cluster_blocks)
   int64_t slice_vectors;
 };
@@ -195,6 +195,32 @@ struct StagedParams {
   }
 };
 
+// The shared-memory kernel's slice of the weight and bias in shared memory: vectors [first, first + count) of
+// each row, filled once per block (each thread fills the vectors it later reads: no barrier).
+template <typename W, int VEC>
+struct SlicedParams {
+  SharedVectors<W, VEC> weight, bias;
+  int64_t first;
+
+  template <typename T, typename acc_t, typename R>
+  TLN_DEVICE void fill(const ForwardParams<T, W, acc_t, R>& p, int64_t count) const {
+    for (int64_t c = dev::thread_x(); c < count; c += dev::block_dim_x()) {
+      if (p.weight != nullptr)
+        weight.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.weight) + first + c));
+      if (p.bias != nullptr) bias.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.bias) + first + c));
+    }
+  }
+
+  template <typename acc_t>
+  TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
+    weight.load(c - first, w);
+  }
+  template <typename acc_t>
+  TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
+    bias.load(c - first, b);
+  }
+};
+
 // Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
 // RowLayout), read from global memory once. A block walks many rows (its grid is
 // one wave, launch_forward_typed), reading the weight and bias from its shared
@@ -305,21 +331,31 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
 
 // Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
-// row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes). x is read
-// once, kSharedRowUnroll vectors a thread at a time, all in flight before the first is used; the statistics come
-// from shared memory (two-pass, exact); y is written once. A thread reads back only the vectors it staged, so the
-// staging needs no barrier. The grid is the clusters the device holds at once, each walking rows.
+// row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
+// p.staged_params, its slice of the weight and bias, copied once. x is read once, kSharedRowUnroll vectors a thread
+// at a time, all in flight before the first is used; the statistics come from shared memory (two-pass, exact); y is
+// written once. A thread reads back only the vectors it staged, so the staging needs no barrier. The grid is the
+// clusters the device holds at once, each walking rows.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(ForwardParams<T, W, acc_t, R> p) {
+  using RowPieces = typename SharedVectors<R, VEC>::Piece;
+  using ParamPieces = typename SharedVectors<W, VEC>::Piece;
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
-  const SharedVectors<R, VEC> slice{reinterpret_cast<typename SharedVectors<R, VEC>::Piece*>(shared), p.slice_vectors};
-  acc_t* partials = reinterpret_cast<acc_t*>(shared + ceil_div(SharedVectors<R, VEC>::bytes(p.slice_vectors), 16) * 16);
-  acc_t* scratch = partials + 2;
+  const int param_rows = p.staged_params ? int{p.weight != nullptr} + int{p.bias != nullptr} : 0;
+  const SharedRowLayout layout(p.slice_vectors * VEC, sizeof(R), param_rows, sizeof(W), sizeof(acc_t));
+  const SharedVectors<R, VEC> slice{reinterpret_cast<RowPieces*>(shared), p.slice_vectors};
+  acc_t* partials = reinterpret_cast<acc_t*>(shared + layout.partials);
+  acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
   const int cluster = p.cluster_blocks;
   const int threads = dev::block_dim_x();
   const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() : 0} * p.slice_vectors;  // of the row, in vectors
   const int64_t rest = p.cols / VEC - first;  // the last slices of a short row may be partial or empty
   const int64_t count = rest < p.slice_vectors ? (rest > 0 ? rest : 0) : p.slice_vectors;
+  const SlicedParams<W, VEC> params{
+      {reinterpret_cast<ParamPieces*>(shared + layout.weight), p.slice_vectors},
+      {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
+      first};
+  if (p.staged_params) params.fill(p, count);
   int reductions = 0;
   // The row's total of a value over the cluster: each block's total (row_sum), then every block adds the blocks'
   // totals in rank order from their shared memory, so all get the bitwise same sum. Consecutive reductions
@@ -374,7 +410,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
     }
     for (int64_t c = dev::thread_x(); c < count; c += threads) {
       slice.load(c, v);
-      normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+      if (p.staged_params) {
+        normalize_and_store(p, row, first + c, v, mean, rstd, params);
+      } else {
+        normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+      }
     }
   }
   if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums

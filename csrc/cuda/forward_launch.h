@@ -6,11 +6,12 @@
 
 namespace torch_ln {
 
-// Where the forward may stage rows too long for registers: rows of R (what is normalized) in the device's shared
-// memory per block, over clusters where it has them.
-template <typename acc_t, typename R>
-SharedRowSpace forward_shared_row_space(const DeviceLimits& limits) {
-  return {sizeof(R), sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
+// Where the forward may stage rows too long for registers: rows of R (what is normalized) and the parameter rows
+// given in the device's shared memory per block, over clusters where it has them.
+template <typename acc_t, typename R, typename W>
+SharedRowSpace forward_shared_row_space(bool weight, bool bias, const DeviceLimits& limits) {
+  return {sizeof(R),     int{weight} + int{bias},     sizeof(W),
+          sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
 }
 
 template <typename Types>
@@ -38,16 +39,19 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
   RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget,
-                           forward_shared_row_space<acc_t, R>(limits));
+                           forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits));
   p.threads_per_row = plan.threads_per_row;
   p.cluster_blocks = plan.cluster_blocks;
   p.slice_vectors = plan.slice_vectors;
+  p.staged_params = plan.slice_params;
   const size_t scratch = plan.smem_bytes<acc_t>();
   const size_t staged =
       plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
   with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
     if (plan.shared_row()) {  // a cluster of blocks per row, as many clusters as the device holds at once
-      const size_t smem = shared_row_bytes(plan.slice_vectors, plan.vec, sizeof(R), sizeof(acc_t));
+      const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
+                              .layout(plan.slice_vectors, plan.vec, plan.slice_params)
+                              .total;
       const int threads = plan.block_threads();
       dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
       const int64_t resident =

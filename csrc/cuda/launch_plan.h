@@ -61,6 +61,7 @@ struct RowPlan {
   // more than one), each holding slice_vectors of it; 0 otherwise.
   int cluster_blocks;
   int64_t slice_vectors;
+  bool slice_params;  // the shared-memory path also keeps its slice of the weight and bias on chip
 
   bool shared_row() const { return cluster_blocks > 0; }
   bool multipass() const { return items == 0 && !shared_row(); }
@@ -93,25 +94,41 @@ constexpr int kSharedRowThreads = 512;
 constexpr int kSharedRowUnroll = 8;
 constexpr int kMaxClusterBlocks = 8;
 
-// Shared memory of the shared-memory path's block: its slice of the row (vectors of `vec` elements of
-// `row_elem_bytes`), then the partial sums of two cluster reductions, then the row-sum scratch.
-constexpr size_t shared_row_bytes(int64_t slice_vectors, int vec, size_t row_elem_bytes, size_t acc_bytes) {
-  return static_cast<size_t>(ceil_div(slice_vectors * vec * static_cast<int64_t>(row_elem_bytes), 16) * 16) +
-         (2 + 2 * kSharedRowThreads / 32) * acc_bytes;
-}
+// Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
+// (`slice_elems` of `row_elem_bytes`), of the weight and of the bias (`param_rows` of them, each of
+// `param_elem_bytes`, where the block keeps them), the partial sums of two cluster reductions, the row-sum scratch.
+struct SharedRowLayout {
+  size_t weight, bias, partials, scratch, total;
 
-// Room for the shared-memory path: what a row element takes there (the type of the normalized row), the
-// accumulator's size, the device's shared memory per block (0: no shared-memory path) and cluster size.
+  static constexpr size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+  constexpr SharedRowLayout(int64_t slice_elems, size_t row_elem_bytes, int param_rows, size_t param_elem_bytes,
+                            size_t acc_bytes)
+      : weight(round16(slice_elems * row_elem_bytes)),
+        bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
+        partials(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
+        scratch(partials + 2 * acc_bytes),
+        total(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)) {}
+};
+
+// Room for the shared-memory path: what a row element takes there (the type of the normalized row), the weight
+// and bias rows given and their element size, the accumulator's size, the device's shared memory per block (0: no
+// shared-memory path) and cluster size.
 struct SharedRowSpace {
-  size_t row_elem_bytes = 0, acc_bytes = 0, smem_per_block = 0;
+  size_t row_elem_bytes = 0;
+  int param_rows = 0;
+  size_t param_elem_bytes = 0, acc_bytes = 0, smem_per_block = 0;
   int max_cluster_blocks = 1;
+
+  SharedRowLayout layout(int64_t slice_vectors, int vec, bool with_params) const {
+    return {slice_vectors * vec, row_elem_bytes, with_params ? param_rows : 0, param_elem_bytes, acc_bytes};
+  }
 };
 
 // The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
-// their shared memory, or 0 where none does: a function of D, dtype and alignment (and the device) only.
-inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s) {
+// their shared memory, with their slices of the weight and bias if `with_params`, or 0 where none does.
+inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bool with_params) {
   for (int c = 1; c <= std::min(s.max_cluster_blocks, kMaxClusterBlocks); c *= 2) {
-    if (shared_row_bytes(ceil_div(nvec, c), vec, s.row_elem_bytes, s.acc_bytes) <= s.smem_per_block) return c;
+    if (s.layout(ceil_div(nvec, c), vec, with_params).total <= s.smem_per_block) return c;
   }
   return 0;
 }
@@ -122,8 +139,10 @@ inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s) {
 // Rows beyond the grid are handled by a grid-stride loop. The layout depends
 // only on D, dtype and alignment, never on M: that makes a row's result
 // independent of its batch.
-// Rows too long for registers go to the shared-memory path where `shared` has room for them (the forward), to
-// the multi-pass path otherwise.
+// Rows too long for registers go to the shared-memory path where `shared` has room for them (the forward), with
+// the weight and bias beside them where a cluster of kMaxClusterBlocks has room for those too (they are then read
+// once per block, not once per row), and to the multi-pass path otherwise. Each is a function of D, dtype,
+// alignment, the parameters given and the device.
 inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget,
                          const SharedRowSpace& shared = {}) {
   RowPlan p{};
@@ -136,14 +155,13 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
   } else if (nvec <= int64_t{large} * budget.max_threads) {  // the row fits in the registers of a block
     p.items = large;
     p.threads_per_row = std::max(32, next_pow2(ceil_div(nvec, large)));
-  } else if (const int cluster = shared_row_cluster(nvec, p.vec, shared); cluster > 0) {  // staged on chip
+  } else {  // longer rows: staged on chip (with the weight and bias where they fit too), or several passes
     p.items = 0;
-    p.threads_per_row = kSharedRowThreads;
-    p.cluster_blocks = cluster;
-    p.slice_vectors = ceil_div(nvec, cluster);
-  } else {  // very long rows: a block per row, several passes over global memory
-    p.items = 0;
-    p.threads_per_row = budget.max_threads;
+    p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, true);
+    p.slice_params = p.shared_row() && shared.param_rows > 0;
+    if (!p.shared_row()) p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, false);
+    p.threads_per_row = p.shared_row() ? kSharedRowThreads : budget.max_threads;
+    p.slice_vectors = p.shared_row() ? ceil_div(nvec, p.cluster_blocks) : 0;
   }
   p.rows_per_block = std::max(1, kRowsBlockThreads / p.threads_per_row);
   p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));

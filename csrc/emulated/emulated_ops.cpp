@@ -38,12 +38,13 @@ void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64
                        static_cast<size_t>(max_shared_per_block), static_cast<int>(max_cluster_blocks)};
 }
 
-// The plan the launchers make on the emulated device (rows without a residual): vec, items, threads_per_row,
-// rows_per_block, blocks, cluster_blocks (the forward's shared-memory path; 0 elsewhere) and that path's shared
-// memory per block. The register and shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's
-// occupancy; 0: by the device's threads per SM, as the emulated launch counts it).
+// The plan the launchers make on the emulated device (rows without a residual, `param_rows` of weight and bias in
+// the input's dtype): vec, items, threads_per_row, rows_per_block, blocks, cluster_blocks (the forward's
+// shared-memory path; 0 elsewhere), that path's shared memory per block and whether it keeps the parameters there. The
+// register and shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's
+// threads per SM, as the emulated launch counts it).
 std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable,
-                          int64_t blocks_per_sm) {
+                          int64_t blocks_per_sm, int64_t param_rows) {
   TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
               "'");
   const bool fwd = direction == "fwd";
@@ -58,11 +59,11 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   int64_t smem = 0;
   if (p.shared_row()) {
     limit_to_resident_clusters(p, rows, int64_t{d.num_sms} * per_sm / p.cluster_blocks);
-    smem = static_cast<int64_t>(shared_row_bytes(p.slice_vectors, p.vec, elem_bytes, acc_bytes));
+    smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.vec, p.slice_params).total);
   } else if (!p.multipass() || !fwd) {  // the forward's multi-pass kernel has a block a row
     limit_to_one_wave(p, d, per_sm);
   }
-  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks, smem};
+  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks, smem, p.slice_params};
 }
 
 void set_counting(bool on) { emu::set_counting(on); }
@@ -96,8 +97,10 @@ TORCH_LIBRARY(torch_ln_emulated, m) {
       "set_device(int num_sms, int max_threads_per_sm, int? max_shared_per_block=None, int? max_cluster_blocks=None) "
       "-> ()",
       &set_device);
-  m.def("plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0) -> int[]",
-        &plan);
+  m.def(
+      "plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0, "
+      "int param_rows=0) -> int[]",
+      &plan);
   m.def("set_counting", &set_counting);
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);
