@@ -50,8 +50,12 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   const bool fwd = direction == "fwd";
   const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
   const DeviceLimits& d = emulated_device();
-  const SharedRowSpace shared = fwd ? SharedRowSpace{static_cast<size_t>(elem_bytes), static_cast<size_t>(acc_bytes),
-                                                     d.max_shared_per_block, d.max_cluster_blocks}
+  const SharedRowSpace shared = fwd ? SharedRowSpace{.row_elem_bytes = static_cast<size_t>(elem_bytes),
+                                                     .param_rows = static_cast<int>(param_rows),
+                                                     .param_elem_bytes = static_cast<size_t>(elem_bytes),
+                                                     .acc_bytes = static_cast<size_t>(acc_bytes),
+                                                     .smem_per_block = d.max_shared_per_block,
+                                                     .max_cluster_blocks = d.max_cluster_blocks}
                                     : SharedRowSpace{};
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
                         for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), shared);
