@@ -127,6 +127,7 @@ struct SharedRowSpace {
 // The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
 // their shared memory, with their slices of the weight and bias if `with_params`, or 0 where none does.
 inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bool with_params) {
+  if (s.smem_per_block == 0) return 0;  // no shared-memory path (the backward's plans)
   for (int c = 1; c <= std::min(s.max_cluster_blocks, kMaxClusterBlocks); c *= 2) {
     if (s.layout(ceil_div(nvec, c), vec, with_params).total <= s.smem_per_block) return c;
   }
