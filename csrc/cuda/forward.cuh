@@ -349,27 +349,34 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   const int cluster = p.cluster_blocks;
   const int threads = dev::block_dim_x();
   const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() : 0} * p.slice_vectors;  // of the row, in vectors
-  const int64_t rest = p.cols / VEC - first;  // the last slices of a short row may be partial or empty
-  const int64_t count = rest < p.slice_vectors ? (rest > 0 ? rest : 0) : p.slice_vectors;
+  // The last slice may be shorter (the planner's smallest cluster leaves none empty; one would loop zero times).
+  const int64_t rest = p.cols / VEC - first;
+  const int64_t count = rest < p.slice_vectors ? rest : p.slice_vectors;
   const SlicedParams<W, VEC> params{
       {reinterpret_cast<ParamPieces*>(shared + layout.weight), p.slice_vectors},
       {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
       first};
   if (p.staged_params) params.fill(p, count);
   int reductions = 0;
-  // The row's total of a value over the cluster: each block's total (row_sum), then every block adds the blocks'
-  // totals in rank order from their shared memory, so all get the bitwise same sum. Consecutive reductions
-  // alternate between two slots: a slot is rewritten only after the cluster barrier of the reduction in between,
-  // which every block passes after it has read the slot.
-  auto cluster_sum = [&](acc_t v) {
-    v = row_sum(v, threads, scratch);
-    if (cluster == 1) return v;
-    acc_t* slot = partials + (reductions++ & 1);
-    if (dev::thread_x() == 0) dev::store_shared(slot, v);
+  // The row's totals of two values over the cluster: each block's totals (row_sum2), then every block adds the
+  // blocks' totals in rank order from their shared memory, so all get the bitwise same sums. Consecutive
+  // reductions alternate between two slots: a slot is rewritten only after the cluster barrier of the reduction in
+  // between, which every block passes after it has read the slot.
+  auto cluster_sum2 = [&](acc_t& a, acc_t& b) {
+    row_sum2(a, b, threads, scratch);
+    if (cluster == 1) return;
+    acc_t* slot = partials + 2 * (reductions++ & 1);
+    if (dev::thread_x() == 0) {
+      dev::store_shared(slot, a);
+      dev::store_shared(slot + 1, b);
+    }
     dev::cluster_sync();
-    acc_t total = acc_t(0);
-    for (int rank = 0; rank < cluster; ++rank) total += dev::load_shared(dev::cluster_shared(slot, rank));
-    return total;
+    a = b = acc_t(0);
+    for (int rank = 0; rank < cluster; ++rank) {
+      const acc_t* remote = dev::cluster_shared(slot, rank);
+      a += dev::load_shared(remote);
+      b += dev::load_shared(remote + 1);
+    }
   };
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
     const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice
@@ -396,14 +403,30 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         sum += vector_sum(v);
       }
     }
-    const acc_t mean = KIND == NormKind::LayerNorm ? cluster_sum(sum) / static_cast<acc_t>(p.cols) : acc_t(0);
-    acc_t squares = acc_t(0);
+    acc_t mean = acc_t(0), unused = acc_t(0);
+    if (KIND == NormKind::LayerNorm) {
+      cluster_sum2(sum, unused);
+      mean = sum / static_cast<acc_t>(p.cols);
+    }
+    // Corrected two-pass variance (Chan, Golub and LeVeque): the deviations from the first mean sum to the rows's
+    // count times that mean's rounding error; added back, the mean is exact to rounding even for a large mean and a
+    // small spread (rows of 16K+ values), and the squares lose only that error's square (never E[x^2] - E[x]^2).
+    acc_t deviations = acc_t(0), squares = acc_t(0);
     acc_t v[VEC];
     for (int64_t c = dev::thread_x(); c < count; c += threads) {
       slice.load(c, v);
-      squares += squared_deviations(v, mean);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        deviations += v[j] - mean;
+        squares += (v[j] - mean) * (v[j] - mean);
+      }
     }
-    const acc_t rstd = rstd_from(cluster_sum(squares), p.cols, p.eps);
+    cluster_sum2(deviations, squares);
+    if (KIND == NormKind::LayerNorm) {
+      mean += deviations / static_cast<acc_t>(p.cols);
+      squares -= deviations * deviations / static_cast<acc_t>(p.cols);
+    }
+    const acc_t rstd = rstd_from(squares, p.cols, p.eps);
     if (first == 0 && dev::thread_x() == 0) {
       if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
       dev::store_global(&p.rstd[row], rstd);

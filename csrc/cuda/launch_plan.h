@@ -96,7 +96,8 @@ constexpr int kMaxClusterBlocks = 8;
 
 // Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
 // (`slice_elems` of `row_elem_bytes`), of the weight and of the bias (`param_rows` of them, each of
-// `param_elem_bytes`, where the block keeps them), the partial sums of two cluster reductions, the row-sum scratch.
+// `param_elem_bytes`, where the block keeps them), the two partial sums of two cluster reductions, the row-sum
+// scratch.
 struct SharedRowLayout {
   size_t weight, bias, partials, scratch, total;
 
@@ -106,7 +107,7 @@ struct SharedRowLayout {
       : weight(round16(slice_elems * row_elem_bytes)),
         bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
         partials(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
-        scratch(partials + 2 * acc_bytes),
+        scratch(partials + 4 * acc_bytes),
         total(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)) {}
 };
 

@@ -373,14 +373,15 @@ def test_forward_cluster_without_room_for_parameters(kind):
 
 # Where each path begins and ends. Registers: 32 float32 or bfloat16 values a thread x 512 threads (16384), 8 on the
 # scalar path (4096). One block's shared memory on a GPU without clusters (sm_80: 163 KB): the row rounded up to
-# 16 bytes plus 136 bytes of sums, so float32 rows up to (166912 - 136) // 16 * 16 // 4 = 41692 elements.
+# 16 bytes plus 144 bytes of sums, so float32 rows up to (166912 - 144) // 16 * 16 // 4 = 41692 elements (exactly
+# the limit).
 SM80 = {"shared": 163 * 1024, "cluster": 1}
 BOUNDARIES = [
     (torch.float32, 16384, {}, "norm_forward_kernel"),  # the last D of the register path
     (torch.float32, 16388, {}, "shared"),  # the first D of the shared-memory path
     (torch.bfloat16, 16384, {}, "norm_forward_kernel"),
     (torch.bfloat16, 16392, {}, "shared"),
-    (torch.float32, 4096 + 5, {}, "norm_forward_kernel"),  # odd D: the scalar path, registers up to 4096
+    (torch.float32, 4095, {}, "norm_forward_kernel"),  # odd D: the scalar path, registers up to 4096
     (torch.float32, 4099, {}, "shared"),  # ... and shared memory beyond (4099: the scalar path, prime)
     (torch.float32, 41692, SM80, "shared"),  # the longest float32 row in one block without clusters
     (torch.float32, 41696, SM80, "multipass"),  # ... one vector more: the multi-pass path
@@ -409,9 +410,9 @@ def test_forward_shared_row_unaligned(kind):
 # The forward's long-row paths with a residual add, for every dtype pair whose normalized rows are float32 beside
 # half/bfloat16 input (their own kernel instances): shared memory, a cluster of 4, multi-pass.
 LONG_ROW_ADD_PATHS = {
-    "shared": lambda cols: _device(),
-    "cluster": lambda cols: _cluster_device(cols, torch.float32, 4, 8),
-    "multipass": lambda cols: _device(**FORWARD_LONG_PATHS["multipass"]),
+    "shared": lambda cols, param_bytes: _device(),
+    "cluster": lambda cols, param_bytes: _cluster_device(cols, torch.float32, 4, param_bytes),
+    "multipass": lambda cols, param_bytes: _device(**FORWARD_LONG_PATHS["multipass"]),
 }
 
 
@@ -424,7 +425,7 @@ def test_forward_long_rows_residual_add(path, kind, dtype, param_dtype, cols):
     same path, which differs only in rounding once instead of twice (as test_residual_add_reduced_precision)."""
     x, weight, bias, _ = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
     residual = torch.randn(2, cols, generator=torch.Generator().manual_seed(7), dtype=torch.float64).float()
-    with LONG_ROW_ADD_PATHS[path](cols):
+    with LONG_ROW_ADD_PATHS[path](cols, (1 + (kind == "layer")) * param_dtype.itemsize):
         (y, h), launch = _forward_kernel(kind, x, weight, bias, residual, torch.float32)
         plain = _emulated_forward(kind, h, *(t.float() if t is not None else None for t in (weight, bias)), 1e-5)
     assert (path if path != "cluster" else "shared") in launch["kernel"]
