@@ -333,7 +333,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
 // row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
 // p.staged_params, its slice of the weight and bias, copied once. x is read once, kSharedRowUnroll vectors a thread
-// at a time, all in flight before the first is used; the statistics come from shared memory (two-pass, exact); y is
+// at a time, all in flight before the first is used; the statistics come from shared memory (corrected two-pass); y is
 // written once. A thread reads back only the vectors it staged, so the staging needs no barrier. The grid is the
 // clusters the device holds at once, each walking rows.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
@@ -408,7 +408,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       cluster_sum2(sum, unused);
       mean = sum / static_cast<acc_t>(p.cols);
     }
-    // Corrected two-pass variance (Chan, Golub and LeVeque): the deviations from the first mean sum to the rows's
+    // Corrected two-pass variance (Chan, Golub and LeVeque): the deviations from the first mean sum to the row's
     // count times that mean's rounding error; added back, the mean is exact to rounding even for a large mean and a
     // small spread (rows of 16K+ values), and the squares lose only that error's square (never E[x^2] - E[x]^2).
     acc_t deviations = acc_t(0), squares = acc_t(0);
