@@ -13,9 +13,7 @@ namespace torch_ln {
 struct CudaLaunchContext {
   explicit CudaLaunchContext(const at::Tensor& input) : guard(input.device()) {
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    // Clusters where the device launches them (sm_90 and later), of the portable size.
-    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin,
-              props->clusterLaunch ? kMaxClusterBlocks : 1};
+    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin};
     stream = at::cuda::getCurrentCUDAStream();
   }
 
