@@ -437,7 +437,8 @@ struct NormCpu {
       }
       return {m, q};
     }
-    // The leaf's sums of its own, as in sum_steps.
+    // The leaf's sums of its own, as in sum_steps. Here that is not enough: GCC still zeroes their stack copies
+    // with `rep stos` once per leaf (about 15% of this function's samples at D=65536 bfloat16, perf annotate).
     Group<A> m, q;
     for (const auto i : c10::irange(kU)) m[i] = q[i] = VA(A(0));
     for (const auto k : c10::irange(steps)) {
