@@ -15,6 +15,7 @@ from torch_ln import _transforms, reference
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _ops = torch.ops.torch_ln
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
@@ -27,13 +28,14 @@ def _eager(input: Tensor, *others: Tensor | None) -> bool:
 
     The Python path costs ~20 us a call more (a Python autograd.Function: measured on the 2-core dev VM, 4x1024
     float32 with inputs that require grad, 42 us against 7 for torch's layer_norm), a fifth of a 1 MiB norm.
-    Only plain tensors outside torch.compile, torch.func, forward-mode AD and autocast take it: those need the
-    *_fwd operators as registered. Written out rather than with all(): this runs on every call.
+    Only plain tensors (nn.Parameter included: a module's weight and bias) outside torch.compile, torch.func,
+    forward-mode AD and autocast take it: those, and tensor subclasses, need the *_fwd operators as registered.
+    Written out rather than with all(): this runs on every call.
     """
-    if type(input) is not Tensor:
+    if type(input) not in _PLAIN_TENSORS:
         return False
     for t in others:
-        if t is not None and type(t) is not Tensor:
+        if t is not None and type(t) not in _PLAIN_TENSORS:
             return False
     return not (
         torch._C._are_functorch_transforms_active()
