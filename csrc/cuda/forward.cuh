@@ -357,27 +357,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
       first};
   if (p.staged_params) params.fill(p, count);
-  int reductions = 0;
-  // The row's totals of two values over the cluster: each block's totals (row_sum2), then every block adds the
-  // blocks' totals in rank order from their shared memory, so all get the bitwise same sums. Consecutive
-  // reductions alternate between two slots: a slot is rewritten only after the cluster barrier of the reduction in
-  // between, which every block passes after it has read the slot.
-  auto cluster_sum2 = [&](acc_t& a, acc_t& b) {
-    row_sum2(a, b, threads, scratch);
-    if (cluster == 1) return;
-    acc_t* slot = partials + 2 * (reductions++ & 1);
-    if (dev::thread_x() == 0) {
-      dev::store_shared(slot, a);
-      dev::store_shared(slot + 1, b);
-    }
-    dev::cluster_sync();
-    a = b = acc_t(0);
-    for (int rank = 0; rank < cluster; ++rank) {
-      const acc_t* remote = dev::cluster_shared(slot, rank);
-      a += dev::load_shared(remote);
-      b += dev::load_shared(remote + 1);
-    }
-  };
+  ClusterSum2<acc_t> cluster_sum2{partials, cluster};
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
     const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice
     acc_t sum = acc_t(0);
@@ -405,7 +385,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
     }
     acc_t mean = acc_t(0), unused = acc_t(0);
     if (KIND == NormKind::LayerNorm) {
-      cluster_sum2(sum, unused);
+      cluster_sum2(sum, unused, threads, scratch);
       mean = sum / static_cast<acc_t>(p.cols);
     }
     // Corrected two-pass variance (Chan, Golub and LeVeque): the deviations from the first mean sum to the row's
@@ -421,7 +401,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         squares += (v[j] - mean) * (v[j] - mean);
       }
     }
-    cluster_sum2(deviations, squares);
+    cluster_sum2(deviations, squares, threads, scratch);
     if (KIND == NormKind::LayerNorm) {
       mean += deviations / static_cast<acc_t>(p.cols);
       squares -= deviations * deviations / static_cast<acc_t>(p.cols);

@@ -347,6 +347,8 @@ def _cluster_device(cols, dtype, cluster, param_bytes_per_elem=0):
         (torch.float32, torch.float32, 3, 16392),  # 16-byte vectors
         (torch.bfloat16, torch.float32, 1, 16392),  # 32-byte parameter vectors; M = 1
         (torch.float32, torch.float32, 2, 16411),  # the scalar path (prime D): the last slice is shorter
+        (torch.float64, torch.float64, 2, 16390),  # double sums through the cluster; 16-byte vectors of 2
+        (torch.float16, torch.float16, 1, 16392),  # half rows kept in shared memory as half
     ],
 )
 def test_forward_cluster_sizes(cluster, kind, dtype, param_dtype, rows, cols):
