@@ -145,9 +145,9 @@ def _per_kernel(log: list[dict]) -> dict[str, dict]:
 
 
 def one_wave(mode: str, plan: dict) -> bool:
-    """Whether the row kernel's grid is capped at one wave (limit_to_one_wave): the register kernels; the forward's
-    multi-pass kernel has a block a row."""
-    return mode == "bwd" or plan["path"] == "registers"
+    """Whether the row kernel's grid is capped at one wave (limit_to_one_wave, limit_to_resident_clusters): the
+    register and shared-memory kernels; the forward's multi-pass kernel has a block a row."""
+    return mode == "bwd" or plan["path"] in ("registers", "shared")
 
 
 def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan: dict, concurrent_blocks: int):
@@ -161,12 +161,13 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
     o = ops()
     rpb, threads = plan["rows_per_block"], plan["block_threads"]
     o.set_l2_model(H200.l2_bytes, concurrent_blocks)
+    cluster = max(1, plan["cluster"])
     if not one_wave(mode, plan):
         runs = [(rpb, 1 << 20), (2 * rpb, 1 << 20)]  # (rows, SMs): uncapped grid, blocks = rows / rpb
         regress = [lambda r, b: [1.0, r]] * 2
         full = [1.0, M]
-    else:
-        runs = [(2 * rpb, 1), (4 * rpb, 1), (4 * rpb, 2)]  # one SM of one block, then two
+    else:  # one SM of one block (a cluster of them on as many SMs), then two
+        runs = [(2 * rpb, cluster), (4 * rpb, cluster), (4 * rpb, 2 * cluster)]
         regress = [lambda r, b: [1.0, r, b]] * 3
         full = [1.0, M, plan["blocks"]]
     kernels: dict[str, list] = {}
@@ -186,7 +187,10 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
     """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
     of rows over 32 threads; the backward with several rows a block adds their partial rows on chip; the forward's
-    register kernel keeps its copy of the weight and bias (`staged`) ahead of them."""
+    register kernel keeps its copy of the weight and bias (`staged`) ahead of them; the shared-memory kernel's, as
+    the plan says (its slice of the row, and of the weight and bias where they fit)."""
+    if plan["path"] == "shared":
+        return plan["shared_smem"]
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
     if mode == "bwd" and plan["rows_per_block"] > 1:
         smem = max(smem, plan["rows_per_block"] * D * 4)
@@ -221,13 +225,13 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     o = ops()
 
     def plan_on_h200(blocks_per_sm: int = 0) -> list[int]:
-        o.set_device(H200.sms, H200.threads_per_sm)
+        o.set_device(H200.sms, H200.threads_per_sm)  # and an sm_90's 227 KB of shared memory, clusters of 8
         try:
-            return o.plan(mode, M, D, elem, True, blocks_per_sm)
+            return o.plan(mode, M, D, elem, True, blocks_per_sm, parameter_count(op))
         finally:
             o.set_device(2, 2048)
 
-    vec, items, tpr, rpb, blocks = plan_on_h200()
+    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params = plan_on_h200()
     plan = {
         "vec": vec,
         "items": items,
@@ -235,7 +239,10 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         "rows_per_block": rpb,
         "blocks": blocks,
         "block_threads": tpr * rpb,
-        "path": "multipass" if items == 0 else "registers",
+        "path": "registers" if items > 0 else "shared" if cluster > 0 else "multipass",
+        "cluster": cluster,
+        "shared_smem": shared_smem,
+        "slice_params": bool(slice_params),
     }
     # The row kernel's residency from its registers (found by name after one small run).
     probe = emulate(op, mode, D, rpb, dtype, (1 << 20, plan["block_threads"]))
@@ -304,8 +311,9 @@ def table(records: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in records:
         p = r["plan"]
+        path = f"cluster{p['cluster']}" if p.get("cluster", 0) > 1 else p["path"]
         lines.append(
-            f"{r['op']:<10} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>7} {p['path']:<9} "
+            f"{r['op']:<10} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>7} {path:<9} "
             f"{p['block_threads']:>7} {r['occupancy']:>5.2f} {r['registers']:>4} {r['spill_bytes']:>5} "
             f"{r['requested_bytes'] / r['ideal_bytes']:>9.2f} {r['dram_bytes'] / r['ideal_bytes']:>10.2f} "
             f"{r['sector_efficiency']:>8.3f} {r['predicted_us']:>8.1f} {100 * r['predicted_fraction_of_copy']:>5.0f}%"

@@ -13,7 +13,9 @@ namespace torch_ln {
 struct CudaLaunchContext {
   explicit CudaLaunchContext(const at::Tensor& input) : guard(input.device()) {
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin};
+    // Clusters where the device launches them (sm_90 and later), of the portable size.
+    limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin,
+              props->clusterLaunch ? kMaxClusterBlocks : 1};
     stream = at::cuda::getCurrentCUDAStream();
   }
 

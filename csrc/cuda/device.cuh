@@ -107,6 +107,34 @@ TLN_DEVICE void store_shared(T* p, const T& v, Site = TLN_SITE) {
   *p = v;
 }
 
+// Thread-block clusters (sm_90; the launchers use them only where the device has them): this block's rank in its
+// cluster, a barrier over the cluster's threads (shared-memory writes before it are seen by every block of the
+// cluster after it), and `p`, a location in this block's shared memory, in the shared memory of block `rank`.
+TLN_DEVICE unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return __clusterRelativeBlockRank();
+#else
+  return 0;
+#endif
+}
+TLN_DEVICE void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __cluster_barrier_arrive();
+  __cluster_barrier_wait();
+#else
+  __trap();
+#endif
+}
+template <typename T>
+TLN_DEVICE const T* cluster_shared(const T* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return static_cast<const T*>(__cluster_map_shared_rank(p, rank));
+#else
+  __trap();
+  return p;
+#endif
+}
+
 TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
 TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
 // A product rounded on its own, never fused into a following add.
@@ -132,11 +160,49 @@ void allow_dynamic_shared(void (*kernel)(Params...), size_t bytes, size_t max_by
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_bytes)));
 }
 
+// A launch of clusters of `cluster` blocks along x (cudaLaunchKernelEx's configuration); `attribute` is its storage.
+inline cudaLaunchConfig_t cluster_config(Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, unsigned cluster,
+                                         cudaLaunchAttribute& attribute) {
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// How many clusters of `cluster` blocks (of `threads` threads and `smem_bytes` each) the device holds at once.
+template <typename... Params>
+int resident_clusters(void (*kernel)(Params...), unsigned cluster, int threads, size_t smem_bytes, int /*num_sms*/,
+                      int /*max_threads_per_sm*/) {
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config =
+      cluster_config({cluster}, {static_cast<unsigned>(threads)}, smem_bytes, 0, cluster, attribute);
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  return clusters;
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...) and checks the launch.
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, Args&&... args) {
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The same launch in clusters of `cluster` blocks along x (grid.x a multiple of it).
+template <typename... Params, typename... Args>
+void launch_clusters(void (*kernel)(Params...), unsigned cluster, Dim3 grid, Dim3 block, size_t smem_bytes,
+                     Stream stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  const cudaLaunchConfig_t config = cluster_config(grid, block, smem_bytes, stream, cluster, attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace torch_ln::dev
@@ -151,8 +217,8 @@ void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes,
 #define TLN_KERNEL
 #define TLN_LAUNCH_BOUNDS(max_threads)
 #define TLN_DEVICE inline
-// One array shared by every emulated thread; blocks run one at a time, so
-// per-block semantics hold.
+// One array shared by every emulated thread; blocks run one at a time (except the blocks of a cluster, which
+// must use dynamic shared memory), so per-block semantics hold.
 #define TLN_STATIC_SHARED(type, name, count) static type name[count]
 
 namespace torch_ln::dev {
@@ -209,6 +275,13 @@ void store_shared(T* p, const T& v, Site site = TLN_SITE) {
   *p = v;
 }
 
+inline unsigned cluster_rank() { return emu::this_thread().cluster_rank; }
+inline void cluster_sync() { emu::cluster_sync(); }
+template <typename T>
+const T* cluster_shared(const T* p, unsigned rank) {
+  return reinterpret_cast<const T*>(emu::map_shared_rank(p, rank));
+}
+
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 template <typename T>
@@ -226,9 +299,21 @@ int resident_blocks_per_sm(void (*)(Params...), int threads, size_t, int max_thr
 template <typename... Params>
 void allow_dynamic_shared(void (*)(Params...), size_t, size_t) {}
 
+// Blocks by threads per SM alone, as resident_blocks_per_sm.
+template <typename... Params>
+int resident_clusters(void (*)(Params...), unsigned cluster, int threads, size_t, int num_sms, int max_threads_per_sm) {
+  return num_sms * (max_threads_per_sm / threads) / static_cast<int>(cluster);
+}
+
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {
   emu::launch(grid, block, smem_bytes, reinterpret_cast<const void*>(kernel), [&] { kernel(args...); });
+}
+
+template <typename... Params, typename... Args>
+void launch_clusters(void (*kernel)(Params...), unsigned cluster, Dim3 grid, Dim3 block, size_t smem_bytes, Stream,
+                     Args&&... args) {
+  emu::launch(grid, block, smem_bytes, reinterpret_cast<const void*>(kernel), [&] { kernel(args...); }, cluster);
 }
 
 }  // namespace torch_ln::dev

@@ -24,7 +24,9 @@ struct ForwardParams {
   const R* residual;  // nullptr: no residual add; otherwise the norm is of residual_out = x + residual
   R* residual_out;
   DeviceRounding<acc_t> rounding;
-  bool staged_params;  // the register kernel: each block copies the weight and bias to shared memory
+  bool staged_params;  // each block keeps the weight and bias (the shared-memory kernel: its slice) in shared memory
+  int cluster_blocks;  // the shared-memory kernel: blocks a row is staged over (RowPlan::cluster_blocks)
+  int64_t slice_vectors;
 };
 
 // With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
@@ -124,65 +126,98 @@ struct GlobalParams {
   }
 };
 
-// The register kernel's copy of the weight and bias rows in shared memory: the same columns serve every row of
-// the block, so they are read from global memory once per block instead of once per row. A vector is kept in
-// 16-byte pieces, piece h of vector c at h * nvec + c, so a warp's lanes read consecutive 16-byte pieces: no bank
-// conflicts, even for 32-byte vectors (float parameters beside 16-bit inputs). Shared memory holds the weight
-// row, then the bias row (each only where the row has it), then the row-sum scratch.
-template <typename W, int VEC>
-struct StagedParams {
-  static constexpr int kPieceElems = VEC * sizeof(W) > kVectorBytes ? kVectorBytes / sizeof(W) : VEC;
-  using Piece = Vec<W, kPieceElems>;
+// Vectors of VEC elements kept in shared memory as E, in 16-byte pieces: piece h of vector c at h * count + c, so
+// that a warp's lanes touch consecutive 16-byte pieces (no bank conflicts, even for 32-byte vectors: float
+// parameters or a float32 residual stream beside 16-bit inputs).
+template <typename E, int VEC>
+struct SharedVectors {
+  static constexpr int kPieceElems = VEC * sizeof(E) > kVectorBytes ? kVectorBytes / sizeof(E) : VEC;
+  using Piece = Vec<E, kPieceElems>;
 
-  Piece* weight;
-  Piece* bias;
-  int64_t nvec;
+  Piece* pieces;
+  int64_t count;
 
-  // Unused, and smem may be null, where !p.staged_params.
-  template <typename T, typename acc_t, typename R>
-  TLN_DEVICE StagedParams(const ForwardParams<T, W, acc_t, R>& p, unsigned char* smem)
-      : weight(reinterpret_cast<Piece*>(smem)),
-        bias(p.staged_params && p.weight != nullptr ? weight + p.cols / kPieceElems : weight),
-        nvec(p.cols / VEC) {}
+  // The bytes `count` vectors take.
+  static constexpr size_t bytes(int64_t count) { return static_cast<size_t>(count) * VEC * sizeof(E); }
 
-  // Copies vector c of a parameter row (global memory) to its pieces.
-  TLN_DEVICE void copy(const W* src, Piece* dst, int64_t c, dev::Site site = TLN_SITE) const {
-    const Vec<W, VEC> v = dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(src + c * VEC), site);
+  TLN_DEVICE void store(int64_t c, const Vec<E, VEC>& v, dev::Site site = TLN_SITE) const {
 #pragma unroll
     for (int h = 0; h < VEC / kPieceElems; ++h) {
       Piece piece;
 #pragma unroll
       for (int j = 0; j < kPieceElems; ++j) piece.v[j] = v.v[h * kPieceElems + j];
-      dev::store_shared(&dst[h * nvec + c], piece, site);
+      dev::store_shared(&pieces[h * count + c], piece, site);
     }
   }
 
   template <typename acc_t>
-  TLN_DEVICE void load(const Piece* src, int64_t c, acc_t (&out)[VEC], dev::Site site = TLN_SITE) const {
+  TLN_DEVICE void load(int64_t c, acc_t (&out)[VEC], dev::Site site = TLN_SITE) const {
 #pragma unroll
     for (int h = 0; h < VEC / kPieceElems; ++h) {
-      const Piece piece = dev::load_shared(&src[h * nvec + c], site);
+      const Piece piece = dev::load_shared(&pieces[h * count + c], site);
 #pragma unroll
       for (int j = 0; j < kPieceElems; ++j) out[h * kPieceElems + j] = static_cast<acc_t>(piece.v[j]);
     }
   }
+};
+
+// The register kernel's copy of the weight and bias rows in shared memory: the same columns serve every row of
+// the block, so they are read from global memory once per block instead of once per row. Shared memory holds the
+// weight row, then the bias row (each only where the row has it), then the row-sum scratch.
+template <typename W, int VEC>
+struct StagedParams {
+  SharedVectors<W, VEC> weight, bias;
+
+  // Unused, and smem may be null, where !p.staged_params.
+  template <typename T, typename acc_t, typename R>
+  TLN_DEVICE StagedParams(const ForwardParams<T, W, acc_t, R>& p, unsigned char* smem)
+      : weight{reinterpret_cast<typename SharedVectors<W, VEC>::Piece*>(smem), p.cols / VEC},
+        bias{reinterpret_cast<typename SharedVectors<W, VEC>::Piece*>(
+                 smem + (p.staged_params && p.weight != nullptr ? SharedVectors<W, VEC>::bytes(p.cols / VEC) : 0)),
+             p.cols / VEC} {}
 
   // Fills the copy from global memory (every thread of the block; a barrier follows before any row reads it).
   template <typename T, typename acc_t, typename R>
   TLN_DEVICE void fill(const ForwardParams<T, W, acc_t, R>& p) const {
-    for (int64_t c = dev::thread_x(); c < nvec; c += dev::block_dim_x()) {
-      if (p.weight != nullptr) copy(p.weight, weight, c);
-      if (p.bias != nullptr) copy(p.bias, bias, c);
+    for (int64_t c = dev::thread_x(); c < weight.count; c += dev::block_dim_x()) {
+      if (p.weight != nullptr) weight.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.weight) + c));
+      if (p.bias != nullptr) bias.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.bias) + c));
     }
   }
 
   template <typename acc_t>
   TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
-    load(weight, c, w);
+    weight.load(c, w);
   }
   template <typename acc_t>
   TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
-    load(bias, c, b);
+    bias.load(c, b);
+  }
+};
+
+// The shared-memory kernel's slice of the weight and bias in shared memory: vectors [first, first + count) of
+// each row, filled once per block (each thread fills the vectors it later reads: no barrier).
+template <typename W, int VEC>
+struct SlicedParams {
+  SharedVectors<W, VEC> weight, bias;
+  int64_t first;
+
+  template <typename T, typename acc_t, typename R>
+  TLN_DEVICE void fill(const ForwardParams<T, W, acc_t, R>& p, int64_t count) const {
+    for (int64_t c = dev::thread_x(); c < count; c += dev::block_dim_x()) {
+      if (p.weight != nullptr)
+        weight.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.weight) + first + c));
+      if (p.bias != nullptr) bias.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.bias) + first + c));
+    }
+  }
+
+  template <typename acc_t>
+  TLN_DEVICE void load_weight(int64_t c, acc_t (&w)[VEC]) const {
+    weight.load(c - first, w);
+  }
+  template <typename acc_t>
+  TLN_DEVICE void load_bias(int64_t c, acc_t (&b)[VEC]) const {
+    bias.load(c - first, b);
   }
 };
 
@@ -294,6 +329,100 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
   }
 }
 
+// Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
+// p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
+// row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
+// p.staged_params, its slice of the weight and bias, copied once. x is read once, kSharedRowUnroll vectors a thread
+// at a time, all in flight before the first is used; the statistics come from shared memory (corrected two-pass); y is
+// written once. A thread reads back only the vectors it staged, so the staging needs no barrier. The grid is the
+// clusters the device holds at once, each walking rows.
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(ForwardParams<T, W, acc_t, R> p) {
+  using RowPieces = typename SharedVectors<R, VEC>::Piece;
+  using ParamPieces = typename SharedVectors<W, VEC>::Piece;
+  unsigned char* shared = dev::dynamic_shared<unsigned char>();
+  const int param_rows = p.staged_params ? int{p.weight != nullptr} + int{p.bias != nullptr} : 0;
+  const SharedRowLayout layout(p.slice_vectors * VEC, sizeof(R), param_rows, sizeof(W), sizeof(acc_t));
+  const SharedVectors<R, VEC> slice{reinterpret_cast<RowPieces*>(shared), p.slice_vectors};
+  acc_t* partials = reinterpret_cast<acc_t*>(shared + layout.partials);
+  acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
+  const int cluster = p.cluster_blocks;
+  const int threads = dev::block_dim_x();
+  const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() : 0} * p.slice_vectors;  // of the row, in vectors
+  // The last slice may be shorter (the planner's smallest cluster leaves none empty; one would loop zero times).
+  const int64_t rest = p.cols / VEC - first;
+  const int64_t count = rest < p.slice_vectors ? rest : p.slice_vectors;
+  const SlicedParams<W, VEC> params{
+      {reinterpret_cast<ParamPieces*>(shared + layout.weight), p.slice_vectors},
+      {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
+      first};
+  if (p.staged_params) params.fill(p, count);
+  ClusterSum2<acc_t> cluster_sum2{partials, cluster};
+  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
+    const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice
+    acc_t sum = acc_t(0);
+    for (int64_t base = dev::thread_x(); base < count; base += int64_t{kSharedRowUnroll} * threads) {
+      Vec<T, VEC> raw[kSharedRowUnroll];
+#pragma unroll
+      for (int k = 0; k < kSharedRowUnroll; ++k) {
+        const int64_t c = base + int64_t{k} * threads;
+        raw[k] = load_vec_if<VEC>(c < count, p.x, row_start + c * VEC);
+      }
+#pragma unroll
+      for (int k = 0; k < kSharedRowUnroll; ++k) {
+        const int64_t c = base + int64_t{k} * threads;
+        if (c >= count) break;
+        acc_t v[VEC];
+        to_acc(raw[k], v);
+        add_residual(p, row, (first + c) * VEC, v);
+        keep_input(p, row, (first + c) * VEC, v);
+        Vec<R, VEC> as_row;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) as_row.v[j] = static_cast<R>(v[j]);  // exact: v holds values of R
+        slice.store(c, as_row);
+        sum += vector_sum(v);
+      }
+    }
+    acc_t mean = acc_t(0), unused = acc_t(0);
+    if (KIND == NormKind::LayerNorm) {
+      cluster_sum2(sum, unused, threads, scratch);
+      mean = sum / static_cast<acc_t>(p.cols);
+    }
+    // Corrected two-pass variance (Chan, Golub and LeVeque): the deviations from the first mean sum to the row's
+    // count times that mean's rounding error; added back, the mean is exact to rounding even for a large mean and a
+    // small spread (rows of 16K+ values), and the squares lose only that error's square (never E[x^2] - E[x]^2).
+    acc_t deviations = acc_t(0), squares = acc_t(0);
+    acc_t v[VEC];
+    for (int64_t c = dev::thread_x(); c < count; c += threads) {
+      slice.load(c, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        deviations += v[j] - mean;
+        squares += (v[j] - mean) * (v[j] - mean);
+      }
+    }
+    cluster_sum2(deviations, squares, threads, scratch);
+    if (KIND == NormKind::LayerNorm) {
+      mean += deviations / static_cast<acc_t>(p.cols);
+      squares -= deviations * deviations / static_cast<acc_t>(p.cols);
+    }
+    const acc_t rstd = rstd_from(squares, p.cols, p.eps);
+    if (first == 0 && dev::thread_x() == 0) {
+      if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
+      dev::store_global(&p.rstd[row], rstd);
+    }
+    for (int64_t c = dev::thread_x(); c < count; c += threads) {
+      slice.load(c, v);
+      if (p.staged_params) {
+        normalize_and_store(p, row, first + c, v, mean, rstd, params);
+      } else {
+        normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+      }
+    }
+  }
+  if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
+}
+
 // The forward's kernels by register tier, for launch_rows.
 template <typename T, typename W, typename acc_t, typename R>
 struct ForwardKernels {
@@ -305,6 +434,10 @@ struct ForwardKernels {
     } else {
       return &norm_forward_kernel<T, W, acc_t, R, K, VEC, ITEMS>;
     }
+  }
+  template <NormKind K, int VEC>
+  static constexpr auto shared_row() {
+    return &norm_forward_shared_kernel<T, W, acc_t, R, K, VEC>;
   }
 };
 

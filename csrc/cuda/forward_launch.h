@@ -6,6 +6,14 @@
 
 namespace torch_ln {
 
+// Where the forward may stage rows too long for registers: rows of R (what is normalized) and the parameter rows
+// given in the device's shared memory per block, over clusters where it has them.
+template <typename acc_t, typename R, typename W>
+SharedRowSpace forward_shared_row_space(bool weight, bool bias, const DeviceLimits& limits) {
+  return {sizeof(R),     int{weight} + int{bias},     sizeof(W),
+          sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
+}
+
 template <typename Types>
 void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   using T = typename Types::input_t;
@@ -25,15 +33,40 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   data_or_null<R>(a.residual),
                                   mutable_data_or_null<R>(a.residual_out),
                                   {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized},
-                                  false};
+                                  false,
+                                  0,
+                                  0};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out});
-  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget);
+  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget,
+                           forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits));
   p.threads_per_row = plan.threads_per_row;
+  p.cluster_blocks = plan.cluster_blocks;
+  p.slice_vectors = plan.slice_vectors;
+  p.staged_params = plan.slice_params;
   const size_t scratch = plan.smem_bytes<acc_t>();
   const size_t staged =
       plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
   with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+    if (plan.shared_row()) {  // a cluster of blocks per row, as many clusters as the device holds at once
+      const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
+                              .layout(plan.slice_vectors, plan.vec, plan.slice_params)
+                              .total;
+      const int threads = plan.block_threads();
+      dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
+      const int64_t resident =
+          plan.cluster_blocks == 1
+              ? int64_t{limits.num_sms} * dev::resident_blocks_per_sm(kernel, threads, smem, limits.max_threads_per_sm)
+              : dev::resident_clusters(kernel, plan.cluster_blocks, threads, smem, limits.num_sms,
+                                       limits.max_threads_per_sm);
+      limit_to_resident_clusters(plan, a.rows, resident);
+      if (plan.cluster_blocks == 1) {
+        dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
+      } else {
+        dev::launch_clusters(kernel, plan.cluster_blocks, grid_of(plan), block_of(plan), smem, stream, p);
+      }
+      return;
+    }
     size_t smem = scratch;
     if (!plan.multipass()) {  // one wave of blocks, each walking many rows (the multi-pass kernel: a block a row)
       const int threads = plan.block_threads();

@@ -14,6 +14,7 @@ struct DeviceLimits {
   int num_sms;
   int max_threads_per_sm;
   size_t max_shared_per_block;  // dynamic shared memory a block may have (opted in beyond 48 KB)
+  int max_cluster_blocks;       // blocks a thread-block cluster may have: 8 on sm_90 (portable), 1 without clusters
 };
 
 constexpr int kVectorBytes = 16;        // one 128-bit load or store
@@ -52,12 +53,18 @@ constexpr int large_items(int vec, RegisterBudget budget) {
 
 struct RowPlan {
   int vec;              // elements per access: a 16-byte vector, or 1 (the scalar path)
-  int items;            // vectors per thread kept in registers; 0 means the multi-pass path
+  int items;            // vectors per thread kept in registers; 0: the row is not (shared-memory or multi-pass path)
   int threads_per_row;  // a power of two; rows of <= 32 threads live inside one warp
   int rows_per_block;
   int64_t blocks;
+  // The shared-memory path: a row staged in the shared memory of this many blocks (a thread-block cluster when
+  // more than one), each holding slice_vectors of it; 0 otherwise.
+  int cluster_blocks;
+  int64_t slice_vectors;
+  bool slice_params;  // the shared-memory path also keeps its slice of the weight and bias on chip
 
-  bool multipass() const { return items == 0; }
+  bool shared_row() const { return cluster_blocks > 0; }
+  bool multipass() const { return items == 0 && !shared_row(); }
   int block_threads() const { return threads_per_row * rows_per_block; }
   // Shared memory for block-wide reductions of up to two values per warp.
   template <typename acc_t>
@@ -80,13 +87,66 @@ inline int next_pow2(int64_t n) {
   return p;
 }
 
+// The shared-memory path (the forward): a block of kSharedRowThreads per row slice, each thread loading
+// kSharedRowUnroll vectors at a time (all in flight before the first is used), at most kMaxClusterBlocks blocks
+// (the portable cluster size) per row.
+constexpr int kSharedRowThreads = 512;
+constexpr int kSharedRowUnroll = 8;
+constexpr int kMaxClusterBlocks = 8;
+
+// Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
+// (`slice_elems` of `row_elem_bytes`), of the weight and of the bias (`param_rows` of them, each of
+// `param_elem_bytes`, where the block keeps them), the two partial sums of two cluster reductions, the row-sum
+// scratch.
+struct SharedRowLayout {
+  size_t weight, bias, partials, scratch, total;
+
+  static constexpr size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+  constexpr SharedRowLayout(int64_t slice_elems, size_t row_elem_bytes, int param_rows, size_t param_elem_bytes,
+                            size_t acc_bytes)
+      : weight(round16(slice_elems * row_elem_bytes)),
+        bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
+        partials(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
+        scratch(partials + 4 * acc_bytes),
+        total(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)) {}
+};
+
+// Room for the shared-memory path: what a row element takes there (the type of the normalized row), the weight
+// and bias rows given and their element size, the accumulator's size, the device's shared memory per block (0: no
+// shared-memory path) and cluster size.
+struct SharedRowSpace {
+  size_t row_elem_bytes = 0;
+  int param_rows = 0;
+  size_t param_elem_bytes = 0, acc_bytes = 0, smem_per_block = 0;
+  int max_cluster_blocks = 1;
+
+  SharedRowLayout layout(int64_t slice_vectors, int vec, bool with_params) const {
+    return {slice_vectors * vec, row_elem_bytes, with_params ? param_rows : 0, param_elem_bytes, acc_bytes};
+  }
+};
+
+// The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
+// their shared memory, with their slices of the weight and bias if `with_params`, or 0 where none does.
+inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bool with_params) {
+  if (s.smem_per_block == 0) return 0;  // no shared-memory path (the backward's plans)
+  for (int c = 1; c <= std::min(s.max_cluster_blocks, kMaxClusterBlocks); c *= 2) {
+    if (s.layout(ceil_div(nvec, c), vec, with_params).total <= s.smem_per_block) return c;
+  }
+  return 0;
+}
+
 // Plans the row kernels for M rows of D elements of `elem_bytes` each.
 // `vectorizable`: every pointer involved is 16-byte aligned and each row starts
 // 16-byte aligned (D * elem_bytes % 16 == 0); otherwise the scalar path runs.
 // Rows beyond the grid are handled by a grid-stride loop. The layout depends
 // only on D, dtype and alignment, never on M: that makes a row's result
 // independent of its batch.
-inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget) {
+// Rows too long for registers go to the shared-memory path where `shared` has room for them (the forward), with
+// the weight and bias beside them where a cluster of kMaxClusterBlocks has room for those too (they are then read
+// once per block, not once per row), and to the multi-pass path otherwise. Each is a function of D, dtype,
+// alignment, the parameters given and the device.
+inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget,
+                         const SharedRowSpace& shared = {}) {
   RowPlan p{};
   p.vec = vectorizable ? kVectorBytes / elem_bytes : 1;
   const int64_t nvec = ceil_div(D, p.vec);
@@ -97,9 +157,13 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
   } else if (nvec <= int64_t{large} * budget.max_threads) {  // the row fits in the registers of a block
     p.items = large;
     p.threads_per_row = std::max(32, next_pow2(ceil_div(nvec, large)));
-  } else {  // very long rows: a block per row, several passes over global memory
+  } else {  // longer rows: staged on chip (with the weight and bias where they fit too), or several passes
     p.items = 0;
-    p.threads_per_row = budget.max_threads;
+    p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, true);
+    p.slice_params = p.shared_row() && shared.param_rows > 0;
+    if (!p.shared_row()) p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, false);
+    p.threads_per_row = p.shared_row() ? kSharedRowThreads : budget.max_threads;
+    p.slice_vectors = p.shared_row() ? ceil_div(nvec, p.cluster_blocks) : 0;
   }
   p.rows_per_block = std::max(1, kRowsBlockThreads / p.threads_per_row);
   p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));
@@ -113,6 +177,14 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
 // occupancy at its launch configuration, from the occupancy API.
 inline void limit_to_one_wave(RowPlan& p, const DeviceLimits& d, int blocks_per_sm) {
   p.blocks = std::max<int64_t>(1, std::min(p.blocks, int64_t{d.num_sms} * std::max(1, blocks_per_sm)));
+}
+
+// The shared-memory path's grid: a cluster of cluster_blocks per row, as many clusters as the device holds at once
+// (`resident_clusters`, from the occupancy API), each walking rows.
+inline void limit_to_resident_clusters(RowPlan& p, int64_t rows, int64_t resident_clusters) {
+  const int64_t clusters =
+      std::max<int64_t>(1, std::min({rows, resident_clusters, (int64_t{1} << 30) / kMaxClusterBlocks}));
+  p.blocks = clusters * p.cluster_blocks;
 }
 
 }  // namespace torch_ln

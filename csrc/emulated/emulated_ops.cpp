@@ -23,34 +23,51 @@ struct EmulatedBackend {
 
 namespace {
 
-// max_shared_per_block: the default device's when not given.
-void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64_t> shared) {
+// max_shared_per_block and max_cluster_blocks: the default device's when not given.
+void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64_t> shared,
+                std::optional<int64_t> cluster) {
   const int64_t max_shared_per_block =
       shared.has_value() ? *shared : static_cast<int64_t>(kEmulatedDevice.max_shared_per_block);
+  const int64_t max_cluster_blocks = cluster.has_value() ? *cluster : kEmulatedDevice.max_cluster_blocks;
   TORCH_CHECK(num_sms > 0 && max_threads_per_sm > 0 && max_shared_per_block >= 0,
               "set_device: expected positive SMs and threads and max_shared_per_block >= 0, got num_sms=", num_sms,
               ", max_threads_per_sm=", max_threads_per_sm, ", max_shared_per_block=", max_shared_per_block);
+  TORCH_CHECK(max_cluster_blocks >= 1 && max_cluster_blocks <= kMaxClusterBlocks,
+              "set_device: expected max_cluster_blocks in [1, ", kMaxClusterBlocks, "], got ", max_cluster_blocks);
   emulated_device() = {static_cast<int>(num_sms), static_cast<int>(max_threads_per_sm),
-                       static_cast<size_t>(max_shared_per_block)};
+                       static_cast<size_t>(max_shared_per_block), static_cast<int>(max_cluster_blocks)};
 }
 
-// The plan the launchers make on the emulated device: vec, items, threads_per_row, rows_per_block, blocks. The
-// register kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's threads per
-// SM, as the emulated launch counts it).
+// The plan the launchers make on the emulated device (rows without a residual, `param_rows` of weight and bias in
+// the input's dtype): vec, items, threads_per_row, rows_per_block, blocks, cluster_blocks (the forward's
+// shared-memory path; 0 elsewhere), that path's shared memory per block and whether it keeps the parameters there. The
+// register and shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's
+// threads per SM, as the emulated launch counts it).
 std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable,
-                          int64_t blocks_per_sm) {
+                          int64_t blocks_per_sm, int64_t param_rows) {
   TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
               "'");
   const bool fwd = direction == "fwd";
   const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
+  const DeviceLimits& d = emulated_device();
+  const SharedRowSpace shared = fwd ? SharedRowSpace{.row_elem_bytes = static_cast<size_t>(elem_bytes),
+                                                     .param_rows = static_cast<int>(param_rows),
+                                                     .param_elem_bytes = static_cast<size_t>(elem_bytes),
+                                                     .acc_bytes = static_cast<size_t>(acc_bytes),
+                                                     .smem_per_block = d.max_shared_per_block,
+                                                     .max_cluster_blocks = d.max_cluster_blocks}
+                                    : SharedRowSpace{};
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
-                        for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes));
-  if (!p.multipass() || !fwd) {  // the forward's multi-pass kernel has a block a row
-    const DeviceLimits& d = emulated_device();
-    limit_to_one_wave(p, d,
-                      blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads());
+                        for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), shared);
+  const int per_sm = blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads();
+  int64_t smem = 0;
+  if (p.shared_row()) {
+    limit_to_resident_clusters(p, rows, int64_t{d.num_sms} * per_sm / p.cluster_blocks);
+    smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.vec, p.slice_params).total);
+  } else if (!p.multipass() || !fwd) {  // the forward's multi-pass kernel has a block a row
+    limit_to_one_wave(p, d, per_sm);
   }
-  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks};
+  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks, smem, p.slice_params};
 }
 
 void set_counting(bool on) { emu::set_counting(on); }
@@ -80,9 +97,14 @@ void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors
 
 TORCH_LIBRARY(torch_ln_emulated, m) {
   define_norm_schemas(m);
-  m.def("set_device(int num_sms, int max_threads_per_sm, int? max_shared_per_block=None) -> ()", &set_device);
-  m.def("plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0) -> int[]",
-        &plan);
+  m.def(
+      "set_device(int num_sms, int max_threads_per_sm, int? max_shared_per_block=None, int? max_cluster_blocks=None) "
+      "-> ()",
+      &set_device);
+  m.def(
+      "plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0, "
+      "int param_rows=0) -> int[]",
+      &plan);
   m.def("set_counting", &set_counting);
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);

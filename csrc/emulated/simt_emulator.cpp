@@ -277,7 +277,7 @@ std::string regions_json(const LaunchTraffic& t, double scale) {
 }
 
 std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, Dim3 block, size_t smem,
-                        int64_t concurrent_blocks, double scale) {
+                        unsigned cluster, int64_t concurrent_blocks, double scale) {
   std::string name = "?";
   Dl_info info;
   if (dladdr(kernel, &info) != 0 && info.dli_sname != nullptr) name = info.dli_sname;
@@ -295,7 +295,7 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
   };
   const std::string shape = ",\"grid\":" + std::to_string(uint64_t{grid.x} * grid.y * grid.z) +
                             ",\"block_threads\":" + std::to_string(uint64_t{block.x} * block.y * block.z) +
-                            ",\"dynamic_smem\":" + std::to_string(smem);
+                            ",\"dynamic_smem\":" + std::to_string(smem) + ",\"cluster\":" + std::to_string(cluster);
   return std::string("{\"kernel\":\"") + name + "\"" + shape + field("load_bytes", t.load_bytes) +
          field("store_bytes", t.store_bytes) + field("load_requests", t.load_requests) +
          field("store_requests", t.store_requests) + field("coalesced_bytes", t.coalesced_bytes) +
@@ -352,6 +352,18 @@ class BlockState {
   uint64_t syncs = 0;  // __syncthreads of the current block
 };
 
+// The blocks of one cluster, run together: their states and the barrier over all their threads (a launch without
+// clusters runs clusters of one block).
+class ClusterState {
+ public:
+  ClusterState(unsigned size, unsigned threads, size_t smem_bytes) : barrier(size * threads) {
+    for (unsigned b = 0; b < size; ++b) blocks.push_back(std::make_unique<BlockState>(threads, smem_bytes));
+  }
+
+  Barrier barrier;
+  std::vector<std::unique_ptr<BlockState>> blocks;
+};
+
 ThreadContext& this_thread() {
   if (current_thread == nullptr) fail("a device function ran outside an emulated kernel");
   return *current_thread;
@@ -361,6 +373,26 @@ void sync_threads() {
   ThreadContext& t = this_thread();
   if (counting && t.linear_tid == 0) ++t.block->syncs;
   t.block->barrier.arrive_and_wait("__syncthreads");
+}
+
+void cluster_sync() {
+  ThreadContext& t = this_thread();
+  if (counting && t.linear_tid == 0) ++t.block->syncs;
+  t.cluster->barrier.arrive_and_wait("cluster barrier");
+}
+
+const void* map_shared_rank(const void* p, unsigned rank) {
+  ThreadContext& t = this_thread();
+  if (rank >= t.cluster->blocks.size()) {
+    fail("map_shared_rank: rank " + std::to_string(rank) + " in a cluster of " +
+         std::to_string(t.cluster->blocks.size()) + " blocks");
+  }
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.block->smem.get());
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  if (address < base || address >= base + t.block->smem_bytes) {
+    fail("map_shared_rank: the address is not in the block's dynamic shared memory");
+  }
+  return t.cluster->blocks[rank]->smem.get() + (address - base);
 }
 
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site) {
@@ -421,14 +453,19 @@ uint64_t warp_exchange(uint64_t value, unsigned src_lane) {
 
 unsigned char* dynamic_shared_memory() { return this_thread().block->smem.get(); }
 
-void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body) {
+void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body,
+            unsigned cluster) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024 || threads % kWarpSize != 0) {
     throw std::invalid_argument("SIMT emulator: a block needs a multiple of 32 threads, at most 1024; got " +
                                 std::to_string(threads));
   }
+  if (cluster == 0 || grid.x % cluster != 0) {
+    throw std::invalid_argument("SIMT emulator: grid.x must be a multiple of the cluster size; got grid.x " +
+                                std::to_string(grid.x) + ", cluster " + std::to_string(cluster));
+  }
   const std::lock_guard<std::mutex> serialize(launch_mutex);
-  BlockState state(threads, dynamic_smem_bytes);
+  ClusterState state(cluster, threads, dynamic_smem_bytes);
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
   const int64_t concurrent_blocks =
       model_concurrent_blocks > 0
@@ -436,37 +473,51 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
           : std::min<int64_t>(blocks, kModelSms * std::max<int64_t>(1, kModelThreadsPerSm / threads));
   // Global bytes per byte one thread accesses, across the GPU (see account_dram).
   const double bytes_per_block_slot = static_cast<double>(threads) * concurrent_blocks;
-  // With sampling on, only the first blocks of each grid row run, and the counters are scaled to the whole grid.
-  const unsigned sampled_x = block_sample > 0 ? std::min<unsigned>(grid.x, block_sample) : grid.x;
+  // With sampling on, only the first blocks of each grid row run (whole clusters), and the counters are scaled to
+  // the whole grid.
+  const unsigned sampled_x =
+      block_sample > 0 ? std::min<unsigned>(grid.x, (block_sample + cluster - 1) / cluster * cluster) : grid.x;
   LaunchTraffic traffic;
   traffic.by_region.resize(regions.size() + 1);
 
-  auto run_thread = [&](unsigned tid) {
-    ThreadContext ctx{
-        {tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)}, {}, block, grid, &state, tid};
+  // Thread `tid` of the block of rank `rank` in each cluster, the clusters one after another.
+  auto run_thread = [&](unsigned rank, unsigned tid) {
+    BlockState& own = *state.blocks[rank];
+    ThreadContext ctx{{tid % block.x, (tid / block.x) % block.y, tid / (block.x * block.y)},
+                      {},
+                      block,
+                      grid,
+                      &own,
+                      tid,
+                      &state,
+                      rank};
     current_thread = &ctx;
-    for (uint64_t b = 0; b < blocks; ++b) {
-      if (b % grid.x >= sampled_x) continue;
+    for (uint64_t b = rank; b < blocks; b += cluster) {
+      if (b % grid.x >= sampled_x) continue;  // the same for every block of the cluster
       ctx.block_idx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
                        static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
       // Shared memory is uninitialized on a GPU: poison it for each block.
-      if (tid == 0 && state.smem) std::memset(state.smem.get(), 0xFF, state.smem_bytes);
+      if (tid == 0 && own.smem) std::memset(own.smem.get(), 0xFF, own.smem_bytes);
       state.barrier.arrive_and_wait("block start");
       body();
       state.barrier.arrive_and_wait("block end");
       // The other threads wait at the next block start (or the join) meanwhile.
-      if (tid == 0 && counting) state.account(traffic, bytes_per_block_slot);
+      if (rank == 0 && tid == 0 && counting) {
+        for (auto& each : state.blocks) each->account(traffic, bytes_per_block_slot);
+      }
     }
     current_thread = nullptr;
   };
 
   const Watchdog watchdog;
   std::vector<std::thread> pool;
-  pool.reserve(threads);
-  for (unsigned tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, tid);
+  pool.reserve(size_t{cluster} * threads);
+  for (unsigned rank = 0; rank < cluster; ++rank) {
+    for (unsigned tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, rank, tid);
+  }
   for (auto& t : pool) t.join();
   if (counting)
-    launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, concurrent_blocks,
+    launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, cluster, concurrent_blocks,
                                      static_cast<double>(grid.x) / sampled_x));
 }
 

@@ -4,7 +4,9 @@
 //
 // Each CUDA thread of a block runs as its own OS thread; __syncthreads is a real
 // barrier across the block's threads; warp shuffles exchange values between the
-// 32 threads of a warp through a barrier; blocks run one after another. Dynamic
+// 32 threads of a warp through a barrier; blocks run one after another, except
+// that the blocks of a thread-block cluster run together, with a real cluster
+// barrier and each other's shared memory mapped (distributed shared memory). Dynamic
 // shared memory is allocated with its exact size (so AddressSanitizer sees an
 // overrun) and filled with NaN bytes before every block (so a read of shared
 // memory nobody wrote shows up as a wrong result).
@@ -26,6 +28,7 @@ struct Dim3 {
 constexpr int kWarpSize = 32;
 
 class BlockState;
+class ClusterState;
 
 // What one emulated thread knows about itself; set by the emulator before the
 // kernel body runs.
@@ -33,6 +36,8 @@ struct ThreadContext {
   Dim3 thread_idx, block_idx, block_dim, grid_dim;
   BlockState* block;
   unsigned linear_tid;
+  ClusterState* cluster;
+  unsigned cluster_rank;  // the block's rank in its cluster (0 without clusters)
 };
 
 ThreadContext& this_thread();
@@ -47,10 +52,19 @@ uint64_t warp_exchange(uint64_t value, unsigned src_lane);
 // The launch's dynamic shared memory.
 unsigned char* dynamic_shared_memory();
 
-// Runs `body` as a grid of `grid` blocks of `block` threads. Launches are
-// serialized; the threads of a block must be a multiple of the warp size.
-// `kernel` names the launch in the traffic log (its symbol).
-void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body);
+// Barrier over every thread of the calling thread's cluster (barrier.cluster).
+void cluster_sync();
+
+// `p`, a location in the calling block's dynamic shared memory, in the shared memory of block `rank` of its
+// cluster (cluster.map_shared_rank); aborts for an address outside it or a rank outside the cluster.
+const void* map_shared_rank(const void* p, unsigned rank);
+
+// Runs `body` as a grid of `grid` blocks of `block` threads, in clusters of
+// `cluster` blocks along x (grid.x a multiple of it). Launches are serialized;
+// the threads of a block must be a multiple of the warp size. `kernel` names
+// the launch in the traffic log (its symbol).
+void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body,
+            unsigned cluster = 1);
 
 // Traffic counters. Every global and shared access of a kernel reports here with
 // the source line it comes from. At the end of each block the accesses of each

@@ -10,9 +10,13 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
 - a warp per row, 4 rows per block (tpr = 32): D=1024 float32 (256 vectors / 8)
 - several warps per row, 2 rows per block (tpr = 64, cross-warp reduction): D=2048 float32
 - a block per row (tpr >= 128): D=4096 bfloat16 (512 vectors / 4 = 128)
-- forward multi-pass: D=40000 float32 (> 8 x 512 vectors of 4), D=33001 (scalar, > 32 x 512);
+- forward, rows too long for registers (D > 32 x 512, scalar > 8 x 512): staged in shared memory, a block per row
+  (D=40000 float32, 33001 scalar; the weight and bias slices beside them where they fit), over a thread-block
+  cluster of 2, 4 or 8 blocks where one block's shared memory is not enough (an emulated device with little
+  shared memory reaches them at short rows), and the multi-pass path where even a cluster has no room (the same
+  small device without clusters: GPUs before sm_90); every dtype, vectors and scalar: D=16392 and 16411;
   backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512);
-  every dtype, vectors and scalar: forward D=16392 and 16411, backward D=8200 and 8209
+  every dtype, vectors and scalar: D=8200 and 8209
 - 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600; there the forward's
@@ -24,6 +28,7 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -176,27 +181,66 @@ def test_long_rows(kind, dtype, rows, cols):
 
 
 # D just past every register tier, in 16-byte vectors of every dtype and on the scalar path (a prime D), so that
-# every dtype's multi-pass kernels run. The forward keeps 32 float32 (16 float64) values a thread x 512 threads in
-# registers, 16 on the scalar path: 16392 = 8 * 2049 and the prime 16411. The backward keeps 16 (8): 8200 = 8 * 1025
+# every dtype's kernels for longer rows run. The forward keeps 32 float32 (16 float64) values a thread x 512 threads
+# in registers, 8 on the scalar path: 16392 = 8 * 2049 and the prime 16411. The backward keeps 16 (8): 8200 = 8 * 1025
 # and the prime 8209; a backward call also runs the forward and the reduce (2 x D / 32 blocks: slow to emulate),
 # so the backward cases are the shortest rows that reach its multi-pass path.
-FORWARD_MULTIPASS_COLS = [16392, 16411]
+FORWARD_LONG_COLS = [16392, 16411]
 BACKWARD_MULTIPASS_COLS = [8200, 8209]
 
 
-@pytest.mark.parametrize("kind", ["layer", "rms"])
-@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
-@pytest.mark.parametrize("cols", FORWARD_MULTIPASS_COLS)
-def test_forward_multipass_every_dtype(kind, dtype, param_dtype, cols):
-    x, weight, bias, _ = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
-    eps = 1e-5
-    y = _emulated_forward(kind, x, weight, bias, eps)
-    ref = _torch_norm(kind, eps)
-    exact = ref(x.double(), weight.double(), bias.double() if bias is not None else None)
+@contextlib.contextmanager
+def _device(shared=None, cluster=None):
+    """The emulated device (2 SMs of 2048 threads) with `shared` bytes of shared memory a block and clusters of up
+    to `cluster` blocks (None: an sm_90's 227 KB and 8)."""
+    ops.set_device(2, 2048, shared, cluster)
+    try:
+        yield
+    finally:
+        ops.set_device(2, 2048)
+
+
+# The forward's paths for rows too long for registers, and the emulated devices that take them at D=16392/16411:
+# shared memory (an sm_90), and the multi-pass path (a device whose shared memory holds no such row, no clusters).
+FORWARD_LONG_PATHS = {"shared": {}, "multipass": {"shared": 1024, "cluster": 1}}
+
+
+def _forward_kernel(kind, x, weight, bias, residual=None, residual_dtype=None):
+    """y (and residual_out with a residual) from the emulated forward, and the row kernel's launch record."""
+    shape = [x.shape[-1]]
+    ops.set_counting(True)
+    try:
+        if residual is None:
+            out = [_emulated_forward(kind, x, weight, bias, 1e-5)]
+        elif kind == "layer":
+            out = ops.add_layer_norm_fwd(x, residual, shape, weight, bias, 1e-5, residual_dtype)[:2]
+        else:
+            out = ops.add_rms_norm_fwd(x, residual, shape, weight, 1e-5, residual_dtype)[:2]
+    finally:
+        ops.set_counting(False)
+    return out, json.loads(ops.take_launch_log())[0]
+
+
+def _check_forward(kind, x, weight, bias, y):
+    """y against torch per the accuracy rule: at most twice torch's error from float64 in the same dtype, plus the
+    floor."""
+    ref = _torch_norm(kind, 1e-5)
+    exact = ref(x.double(), *(t.double() if t is not None else None for t in (weight, bias)))
     err_ours = (y.double() - exact).abs().max().item()
     err_torch = (ref(x, weight, bias).double() - exact).abs().max().item()
-    # As in _check_against_torch: at most twice torch's error in the same dtype, plus the floor.
-    assert err_ours <= 2 * err_torch + FLOOR[dtype]
+    assert err_ours <= 2 * err_torch + FLOOR[x.dtype], f"error {err_ours:.3g} vs torch's {err_torch:.3g}"
+
+
+@pytest.mark.parametrize("path", FORWARD_LONG_PATHS)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize("cols", FORWARD_LONG_COLS)
+def test_forward_long_rows_every_dtype(path, kind, dtype, param_dtype, cols):
+    x, weight, bias, _ = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
+    with _device(**FORWARD_LONG_PATHS[path]):
+        (y,), launch = _forward_kernel(kind, x, weight, bias)
+    assert path in launch["kernel"]
+    _check_forward(kind, x, weight, bias, y)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -240,16 +284,6 @@ def test_many_slots_of_partial_sums(kind, rows, cols):
     _check_against_torch(kind, x, weight, bias, dy)
 
 
-def _forward_launch(kind, x, weight, bias):
-    """y and the row kernel's launch record (the emulator's log)."""
-    ops.set_counting(True)
-    try:
-        y = _emulated_forward(kind, x, weight, bias, 1e-5)
-    finally:
-        ops.set_counting(False)
-    return y, json.loads(ops.take_launch_log())[0]
-
-
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize(
     "dtype,param_dtype,rows,cols",
@@ -265,15 +299,141 @@ def test_forward_parameters_without_room_in_shared_memory(kind, dtype, param_dty
     # results, bitwise. The emulated device with too little shared memory takes that path.
     x, weight, bias, _ = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
     parameter_bytes = (1 + (kind == "layer")) * cols * param_dtype.itemsize
-    staged, launch = _forward_launch(kind, x, weight, bias)
+    (staged,), launch = _forward_kernel(kind, x, weight, bias)
     assert launch["dynamic_smem"] >= parameter_bytes
-    ops.set_device(2, 2048, parameter_bytes - 1)
-    try:
-        unstaged, launch = _forward_launch(kind, x, weight, bias)
-    finally:
-        ops.set_device(2, 2048)
+    with _device(shared=parameter_bytes - 1):
+        (unstaged,), launch = _forward_kernel(kind, x, weight, bias)
     assert launch["dynamic_smem"] < parameter_bytes
     assert torch.equal(staged, unstaged)
+
+
+@pytest.mark.parametrize("kind,affine", KIND_AFFINE[:3] + KIND_AFFINE[4:5])
+@pytest.mark.parametrize(
+    "dtype,param_dtype,cols",
+    [
+        (torch.float32, torch.float32, 16392),  # 16-byte vectors
+        (torch.bfloat16, torch.float32, 16392),  # 32-byte parameter vectors, kept as two 16-byte pieces
+        (torch.float32, torch.float32, 16411),  # the scalar path (prime D)
+    ],
+)
+def test_forward_shared_row_parameters_without_room(kind, affine, dtype, param_dtype, cols):
+    # The shared-memory path keeps its slice of the weight and bias beside the row where they fit (an sm_90 here);
+    # on a device without clusters whose shared memory holds the row alone, it reads them from global memory, with
+    # the same block per row: the same results, bitwise.
+    x, weight, bias, _ = _inputs(3, cols, dtype, param_dtype, affine)
+    row_bytes = cols * dtype.itemsize
+    (staged,), launch = _forward_kernel(kind, x, weight, bias)
+    assert "shared" in launch["kernel"] and launch["cluster"] == 1
+    assert launch["dynamic_smem"] >= row_bytes + (weight is not None or bias is not None) * cols * param_dtype.itemsize
+    with _device(shared=row_bytes + 1024, cluster=1):
+        (unstaged,), launch = _forward_kernel(kind, x, weight, bias)
+    assert "shared" in launch["kernel"] and launch["dynamic_smem"] < row_bytes + 1024
+    assert torch.equal(staged, unstaged)
+    _check_forward(kind, x, weight, bias, staged)
+
+
+def _cluster_device(cols, dtype, cluster, param_bytes_per_elem=0):
+    """A device whose blocks hold 1/cluster of a row of `cols` elements of `dtype` (and `param_bytes_per_elem` of
+    weight and bias an element) and no more: the forward stages such rows over a cluster of `cluster` blocks.
+    1 KB covers the rounding, the partial sums and the row-sum scratch; half the cluster would need about twice."""
+    return _device(shared=-(-cols // cluster) * (dtype.itemsize + param_bytes_per_elem) + 1024)
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,param_dtype,rows,cols",
+    [
+        (torch.float32, torch.float32, 3, 16392),  # 16-byte vectors
+        (torch.bfloat16, torch.float32, 1, 16392),  # 32-byte parameter vectors; M = 1
+        (torch.float32, torch.float32, 2, 16411),  # the scalar path (prime D): the last slice is shorter
+        (torch.float64, torch.float64, 2, 16390),  # double sums through the cluster; 16-byte vectors of 2
+        (torch.float16, torch.float16, 1, 16392),  # half rows kept in shared memory as half
+    ],
+)
+def test_forward_cluster_sizes(cluster, kind, dtype, param_dtype, rows, cols):
+    # Every cluster size, the blocks' slices of the weight and bias on chip; the row sums through distributed
+    # shared memory.
+    x, weight, bias, _ = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    param_bytes = (1 + (kind == "layer")) * param_dtype.itemsize
+    with _cluster_device(cols, dtype, cluster, param_bytes):
+        (y,), launch = _forward_kernel(kind, x, weight, bias)
+    assert "shared" in launch["kernel"] and launch["cluster"] == cluster
+    _check_forward(kind, x, weight, bias, y)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_cluster_without_room_for_parameters(kind):
+    # A cluster of 8 holds the row but not the weight and bias beside it: they are read from global memory.
+    x, weight, bias, _ = _inputs(2, 16392, torch.float32, torch.float32, (True, kind == "layer"))
+    with _cluster_device(16392, torch.float32, 8):
+        (y,), launch = _forward_kernel(kind, x, weight, bias)
+    assert "shared" in launch["kernel"] and launch["cluster"] == 8
+    assert launch["dynamic_smem"] < 16392 * 4 // 8 + 1024
+    _check_forward(kind, x, weight, bias, y)
+
+
+# Where each path begins and ends. Registers: 32 float32 or bfloat16 values a thread x 512 threads (16384), 8 on the
+# scalar path (4096). One block's shared memory on a GPU without clusters (sm_80: 163 KB): the row rounded up to
+# 16 bytes plus 144 bytes of sums, so float32 rows up to (166912 - 144) // 16 * 16 // 4 = 41692 elements (exactly
+# the limit).
+SM80 = {"shared": 163 * 1024, "cluster": 1}
+BOUNDARIES = [
+    (torch.float32, 16384, {}, "norm_forward_kernel"),  # the last D of the register path
+    (torch.float32, 16388, {}, "shared"),  # the first D of the shared-memory path
+    (torch.bfloat16, 16384, {}, "norm_forward_kernel"),
+    (torch.bfloat16, 16392, {}, "shared"),
+    (torch.float32, 4095, {}, "norm_forward_kernel"),  # odd D: the scalar path, registers up to 4096
+    (torch.float32, 4099, {}, "shared"),  # ... and shared memory beyond (4099: the scalar path, prime)
+    (torch.float32, 41692, SM80, "shared"),  # the longest float32 row in one block without clusters
+    (torch.float32, 41696, SM80, "multipass"),  # ... one vector more: the multi-pass path
+]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,cols,device,kernel", BOUNDARIES)
+def test_forward_path_boundaries(kind, dtype, cols, device, kernel):
+    x, weight, bias, _ = _inputs(1, cols, dtype, dtype, (True, kind == "layer"))
+    with _device(**device):
+        (y,), launch = _forward_kernel(kind, x, weight, bias)
+    assert kernel in launch["kernel"]
+    _check_forward(kind, x, weight, bias, y)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_shared_row_unaligned(kind):
+    # A row starting one element past its allocation: the shared-memory path's scalar kernel.
+    x, weight, bias, _ = _inputs(2, 20000, torch.float32, torch.float32, (True, kind == "layer"), ("input",))
+    (y,), launch = _forward_kernel(kind, x, weight, bias)
+    assert "shared" in launch["kernel"] and "Li1E" in launch["kernel"]  # VEC = 1
+    _check_forward(kind, x, weight, bias, y)
+
+
+# The forward's long-row paths with a residual add, for every dtype pair whose normalized rows are float32 beside
+# half/bfloat16 input (their own kernel instances): shared memory, a cluster of 4, multi-pass.
+LONG_ROW_ADD_PATHS = {
+    "shared": lambda cols, param_bytes: _device(),
+    "cluster": lambda cols, param_bytes: _cluster_device(cols, torch.float32, 4, param_bytes),
+    "multipass": lambda cols, param_bytes: _device(**FORWARD_LONG_PATHS["multipass"]),
+}
+
+
+@pytest.mark.parametrize("path", LONG_ROW_ADD_PATHS)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES[2:])
+@pytest.mark.parametrize("cols", FORWARD_LONG_COLS)
+def test_forward_long_rows_residual_add(path, kind, dtype, param_dtype, cols):
+    """residual_out (float32) bitwise torch's add; y within FLOOR of the emulated plain norm of residual_out on the
+    same path, which differs only in rounding once instead of twice (as test_residual_add_reduced_precision)."""
+    x, weight, bias, _ = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
+    residual = torch.randn(2, cols, generator=torch.Generator().manual_seed(7), dtype=torch.float64).float()
+    with LONG_ROW_ADD_PATHS[path](cols, (1 + (kind == "layer")) * param_dtype.itemsize):
+        (y, h), launch = _forward_kernel(kind, x, weight, bias, residual, torch.float32)
+        plain = _emulated_forward(kind, h, *(t.float() if t is not None else None for t in (weight, bias)), 1e-5)
+    assert (path if path != "cluster" else "shared") in launch["kernel"]
+    assert path != "cluster" or launch["cluster"] == 4
+    assert torch.equal(h, x.float() + residual)
+    torch.testing.assert_close(y, plain.to(dtype), atol=FLOOR[dtype], rtol=FLOOR[dtype])
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -323,14 +483,32 @@ def test_batch_invariant(kind, cols):
         assert torch.equal(batch[1][5], alone[1][0]), "dx"
 
 
-def test_large_mean_small_spread():
+@pytest.mark.parametrize("rows,cols", [(16, 1024), (2, 16392)])  # registers; shared memory
+def test_large_mean_small_spread(rows, cols):
     # float32 rows with mean 1e3 and std 1e-1: E[x^2] - E[x]^2 would lose every digit.
     g = torch.Generator().manual_seed(1)
-    x = (1e3 + 1e-1 * torch.randn(16, 1024, generator=g, dtype=torch.float64)).float()
-    y = ops.layer_norm_fwd(x, [1024], None, None, 1e-5)[0]
-    exact = F.layer_norm(x.double(), [1024], eps=1e-5)
-    err_torch = (F.layer_norm(x, [1024], eps=1e-5).double() - exact).abs().max().item()
+    x = (1e3 + 1e-1 * torch.randn(rows, cols, generator=g, dtype=torch.float64)).float()
+    y = ops.layer_norm_fwd(x, [cols], None, None, 1e-5)[0]
+    exact = F.layer_norm(x.double(), [cols], eps=1e-5)
+    err_torch = (F.layer_norm(x, [cols], eps=1e-5).double() - exact).abs().max().item()
     assert (y.double() - exact).abs().max().item() <= 2 * err_torch + 1e-6
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_forward_long_rows_deterministic_and_batch_invariant(kind, cluster):
+    # The shared-memory path, a block or a cluster of 4 per row: row 5 alone, in batches of 6 and of 12 (other
+    # grids: the emulated device holds 8 blocks), and the batch of 12 again: bitwise the same.
+    cols = 16392
+    x, weight, bias, _ = _inputs(12, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    with _cluster_device(cols, torch.float32, 4, 8) if cluster == 4 else _device():
+        (alone,), launch = _forward_kernel(kind, x[5:6].clone(), weight, bias)
+        assert "shared" in launch["kernel"] and launch["cluster"] == cluster
+        (six,), _ = _forward_kernel(kind, x[:6], weight, bias)
+        (twelve,), launch = _forward_kernel(kind, x, weight, bias)
+        (again,), _ = _forward_kernel(kind, x, weight, bias)
+    assert launch["grid"] == 8  # every block walks rows
+    assert torch.equal(six[5], alone[0]) and torch.equal(twelve[5], alone[0]) and torch.equal(twelve, again)
 
 
 def _emulated_add(kind, x, residual, weight, bias, dy, dh_out, eps, residual_dtype=None):

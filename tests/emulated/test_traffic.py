@@ -2,8 +2,9 @@
 
 - The 16-byte vector paths use every byte of every 32-byte sector their warp-wide requests touch (sector
   efficiency 1.0, as Nsight Compute counts it), in the row kernels and in the backward's reduce.
-- The register-resident paths read x (and dy) exactly once and write y (dx) exactly once; besides those, the
-  forward writes only the per-row statistics and the backward only one partial row per row-slot and gradient.
+- The register-resident paths, and the forward's shared-memory path (a block or a cluster per row), read x (and
+  dy) exactly once and write y (dx) exactly once; besides those, the forward writes only the per-row statistics
+  and the backward only one partial row per row-slot and gradient.
 - The forward's register path reads the weight and bias once per block, whatever its rows.
 """
 
@@ -23,7 +24,8 @@ ROWS = 5  # a partial tile of rows for every rows-per-block, several row-slots
 F32, BF16 = torch.float32, torch.bfloat16
 # Each path once or twice, both ops and dtypes spread over them: short rows (tpr < 32), a warp per row, a block
 # per row, the backward's multi-pass path (beyond 8192 values) with the forward in registers, the forward's
-# multi-pass path (beyond 16384).
+# shared-memory path (beyond 16384; a cluster of 2 for float32 LayerNorm, whose weight and bias take twice the
+# row's bytes).
 CASES = [
     ("layer_norm", "fwd", F32, 256),
     ("rms_norm", "fwd", BF16, 1024),
@@ -50,8 +52,9 @@ def test_traffic(op, mode, dtype, cols):
         assert efficiency == 1.0, f"{launch['kernel']}: sector efficiency {efficiency:.3f}"
         assert launch["bank_conflicts"] == 0, launch["kernel"]
     elem = dtype.itemsize
-    _, items, _, _, blocks = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
-    if items == 0:
+    plan = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
+    items, blocks, cluster = plan[1], plan[4], plan[5]
+    if items == 0 and cluster == 0:
         return  # the multi-pass paths re-read rows by design (issue 10); the model reports by how much
     launch = log[0]
     row_bytes = ROWS * cols * elem
@@ -68,9 +71,26 @@ def test_traffic(op, mode, dtype, cols):
 
 
 def test_counters_see_a_rereading_path():
-    # The counters can fail the check above: the forward's multi-pass path reads x more than once.
-    launch = kernel_model.emulate("rms_norm", "fwd", 20480, 2, F32, (2, 2048))[0]
+    # The counters can fail the check above: the forward's multi-pass path (a device whose shared memory does not
+    # hold the row) reads x more than once.
+    launch = kernel_model.emulate("rms_norm", "fwd", 20480, 2, F32, (2, 2048, 1024))[0]
+    assert "multipass" in launch["kernel"]
     assert launch["regions"]["x"][0] == 2 * 2 * 20480 * 4
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_forward_shared_row_reads_parameters_once_per_block(op, dtype):
+    # The shared-memory path keeps each block's slice of the weight and bias on chip: on a device of one block (a
+    # cluster of 2 for float32 LayerNorm), all ROWS rows read them once.
+    cols = 20480
+    plan = kernel_model.ops().plan("fwd", ROWS, cols, dtype.itemsize, True, 0, kernel_model.parameter_count(op))
+    threads, cluster, sliced = plan[2], plan[5], plan[7]
+    assert sliced
+    launch = kernel_model.emulate(op, "fwd", cols, ROWS, dtype, (cluster, threads))[0]
+    assert launch["grid"] == cluster == launch["cluster"]
+    for name in ["weight", "bias"][: kernel_model.parameter_count(op)]:
+        assert launch["regions"][name][0] == cols * dtype.itemsize, f"{name} is read more than once"
 
 
 # The forward's register-path cases above.
@@ -81,7 +101,7 @@ FORWARD_REGISTER_CASES = [c for c in CASES if c[1] == "fwd" and c[3] <= 16384]
 def test_forward_reads_parameters_once_per_block(op, mode, dtype, cols):
     # A device that holds one block: it walks all ROWS rows (several tiles) and reads the weight and bias once,
     # into its shared copy.
-    _, _, threads_per_row, rows_per_block, _ = kernel_model.ops().plan(mode, ROWS, cols, dtype.itemsize, True)
+    _, _, threads_per_row, rows_per_block, *_ = kernel_model.ops().plan(mode, ROWS, cols, dtype.itemsize, True)
     launch = kernel_model.emulate(op, mode, cols, ROWS, dtype, (1, threads_per_row * rows_per_block))[0]
     assert launch["grid"] == 1 and ROWS > rows_per_block
     for name in ["weight", "bias"][: kernel_model.parameter_count(op)]:
