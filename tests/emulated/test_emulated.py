@@ -304,7 +304,7 @@ def test_backward_long_rows_every_dtype(path, kind, dtype, param_dtype, cols):
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_backward_long_rows_without_weight_or_dx(path, kind):
     # The long-row kernels' arms without a weight, without dx (only the parameter gradients), and (LayerNorm)
-    # with the bias gradient alone.
+    # with the bias gradient alone, or the weight gradient alone.
     cols = BACKWARD_LONG_COLS[0]
     x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, kind == "layer"))
     with BACKWARD_LONG_PATHS[path](cols, torch.float32, int(kind == "layer")):
@@ -314,10 +314,13 @@ def test_backward_long_rows_without_weight_or_dx(path, kind):
         full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
         no_dx, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(False, True, True))
         dx_and_dbias, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(True, False, True))
+        dx_and_dweight, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(True, True, False))
     assert no_dx[1].numel() == 0 and torch.equal(no_dx[2], full[2])
     assert no_dx[3] is None or torch.equal(no_dx[3], full[3])
     assert torch.equal(dx_and_dbias[1], full[1]) and dx_and_dbias[2].numel() == 0
     assert dx_and_dbias[3] is None or torch.equal(dx_and_dbias[3], full[3])
+    assert torch.equal(dx_and_dweight[1], full[1]) and torch.equal(dx_and_dweight[2], full[2])
+    assert dx_and_dweight[3] is None or dx_and_dweight[3].numel() == 0
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
