@@ -242,7 +242,19 @@ TLN_DEVICE void add_to_sums(const SharedVectors<acc_t, VEC>& sums, int64_t c, co
   sums.store(c, out);
 }
 
-// One vector of the row, c of the block's slice, as loaded: x and dy, converted to acc_t.
+// The weight of vector c of a block's slice (whose first vector is `first`): from the block's copy where
+// p.staged_weight, from global memory otherwise.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void slice_weight(const BackwardParams<T, W, acc_t, R>& p, const SharedVectors<W, VEC>& staged,
+                             int64_t first, int64_t c, acc_t (&w)[VEC]) {
+  if (p.staged_weight) {
+    staged.load(c, w);
+  } else {
+    load_weight(p, (first + c) * VEC, w);
+  }
+}
+
+// x and dy of one vector of a row as loaded, converted to acc_t.
 template <int VEC, typename T, typename R, typename acc_t>
 TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, acc_t (&x)[VEC], acc_t (&dy)[VEC]) {
   to_acc(x_raw, x);
@@ -291,14 +303,6 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     if (dweight) dweight_sums.store(c, zeros);
     if (dbias) dbias_sums.store(c, zeros);
   }
-  // The weight of vector c of the slice.
-  auto load_slice_weight = [&](int64_t c, acc_t(&w)[VEC]) {
-    if (p.staged_weight) {
-      weight_slice.load(c, w);
-    } else {
-      load_weight(p, (first + c) * VEC, w);
-    }
-  };
   ClusterSum2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster};
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
@@ -325,7 +329,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         }
         acc_t xhat[VEC], dy[VEC], w[VEC];
         row_vector(x_raw[k], dy_raw[k], xhat, dy);
-        load_slice_weight(c, w);
+        slice_weight(p, weight_slice, first, c, w);
         add_row_terms<T>(p, mean, rstd, xhat, dy, w, sum_g, sum_g_xhat);
         if (dweight) {
           acc_t dy_xhat[VEC];
@@ -349,7 +353,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       }
 #pragma unroll
       for (int j = 0; j < VEC; ++j) xhat[j] = (xhat[j] - mean) * rstd;  // as add_row_terms computed it
-      load_slice_weight(c, w);
+      slice_weight(p, weight_slice, first, c, w);
       store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }

@@ -764,6 +764,22 @@ def test_backward_long_rows_residual_add(kind, path):
     assert "shared" in launch["kernel"] and launch["cluster"] == (4 if path == "cluster" else 1)
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES[2:])
+@pytest.mark.parametrize("cols", BACKWARD_LONG_COLS)
+def test_backward_multipass_residual_add(kind, dtype, param_dtype, cols):
+    # The multi-pass backward (a device without room for even the gradient sums: GPUs before sm_90 at long rows)
+    # with a float32 residual stream beside half/bfloat16 input: its own kernel instances.
+    with _device(shared=1024, cluster=1):
+        ops.set_counting(True)
+        try:
+            _check_residual_add_reduced_precision(kind, dtype, param_dtype, torch.float32, 2, cols)
+        finally:
+            ops.set_counting(False)
+    launch = next(launch for launch in json.loads(ops.take_launch_log()) if "norm_backward" in launch["kernel"])
+    assert "multipass" in launch["kernel"]
+
+
 def _check_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols):
     x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
     g = torch.Generator().manual_seed(7)
