@@ -37,6 +37,7 @@ class Gpu:
     copy_bandwidth: float = 4.3e12  # measured dst.copy_(src) bandwidth, bytes/s
     dram_latency_s: float = 1e-6  # loaded DRAM latency: Little's law's round trip
     launch_s: float = 4e-6  # per kernel launch (3-5 us)
+    max_cluster_blocks: int = 16  # sm_90's non-portable cluster size (the launchers opt in beyond 8)
 
 
 H200 = Gpu()
@@ -97,9 +98,10 @@ def _inputs(op: str, mode: str, D: int, rows: int, dtype: torch.dtype, seed: int
     return x, weight, bias, dy
 
 
-def emulate(op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: tuple[int, int]) -> list[dict]:
-    """The launches of one forward or backward call on an emulated device of `device` = (SMs, threads per SM):
-    the emulator's counters, with the traffic of the inputs x, dy, weight, bias, mean, rstd apart ("regions")."""
+def emulate(op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: tuple) -> list[dict]:
+    """The launches of one forward or backward call on an emulated device of `device` = (SMs, threads per SM[,
+    shared memory per block, cluster blocks at most]): the emulator's counters, with the traffic of the inputs x, dy,
+    weight, bias, mean, rstd apart ("regions")."""
     o = ops()
     x, weight, bias, dy = _inputs(op, mode, D, rows, dtype)
     o.set_device(*device)
@@ -147,7 +149,7 @@ def _per_kernel(log: list[dict]) -> dict[str, dict]:
 def one_wave(mode: str, plan: dict) -> bool:
     """Whether the row kernel's grid is capped at one wave (limit_to_one_wave, limit_to_resident_clusters): the
     register and shared-memory kernels; the forward's multi-pass kernel has a block a row."""
-    return mode == "bwd" or plan["path"] in ("registers", "shared")
+    return mode == "bwd" or plan["path"] in ("registers", "shared", "reread")
 
 
 def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan: dict, concurrent_blocks: int):
@@ -172,7 +174,7 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
         full = [1.0, M, plan["blocks"]]
     kernels: dict[str, list] = {}
     for (rows, sms), reg in zip(runs, regress):
-        log = emulate(op, mode, D, rows, dtype, (sms, threads))
+        log = emulate(op, mode, D, rows, dtype, (sms, threads, None, H200.max_cluster_blocks))
         blocks = log[0]["grid"]
         for name, counters in _per_kernel(log).items():
             kernels.setdefault(name, []).append((reg(rows, blocks), counters))
@@ -189,7 +191,7 @@ def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: b
     of rows over 32 threads; the backward with several rows a block adds their partial rows on chip; the forward's
     register kernel keeps its copy of the weight and bias (`staged`) ahead of them; the shared-memory kernel's, as
     the plan says (its slice of the row, and of the weight and bias where they fit)."""
-    if plan["path"] == "shared":
+    if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
     if mode == "bwd" and plan["rows_per_block"] > 1:
@@ -225,13 +227,13 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     o = ops()
 
     def plan_on_h200(blocks_per_sm: int = 0) -> list[int]:
-        o.set_device(H200.sms, H200.threads_per_sm)  # and an sm_90's 227 KB of shared memory, clusters of 8
+        o.set_device(H200.sms, H200.threads_per_sm, None, H200.max_cluster_blocks)  # and an sm_90's 227 KB
         try:
             return o.plan(mode, M, D, elem, True, blocks_per_sm, parameter_count(op))
         finally:
             o.set_device(2, 2048)
 
-    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params = plan_on_h200()
+    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params, row_on_chip = plan_on_h200()
     plan = {
         "vec": vec,
         "items": items,
@@ -239,13 +241,14 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         "rows_per_block": rpb,
         "blocks": blocks,
         "block_threads": tpr * rpb,
-        "path": "registers" if items > 0 else "shared" if cluster > 0 else "multipass",
+        # The shared-memory path keeps the row on chip, or (the backward's longest rows) reads it twice.
+        "path": "registers" if items > 0 else ("shared" if row_on_chip else "reread") if cluster > 0 else "multipass",
         "cluster": cluster,
         "shared_smem": shared_smem,
         "slice_params": bool(slice_params),
     }
     # The row kernel's residency from its registers (found by name after one small run).
-    probe = emulate(op, mode, D, rpb, dtype, (1 << 20, plan["block_threads"]))
+    probe = emulate(op, mode, D, rpb, dtype, (1 << 20, plan["block_threads"], None, H200.max_cluster_blocks))
     names = [launch["kernel"] for launch in probe]
     row_kernel = names[0]
     res = {n: resources.get(n, {}) for n in names}
@@ -275,7 +278,7 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         dram = t["dram_read_bytes"] + t["dram_write_bytes"]
         seconds += kernel_time(dram, resident_threads, r.get("bytes_in_flight", 4), waves) + H200.launch_s
     dram_total = total["dram_read_bytes"] + total["dram_write_bytes"]
-    if mode == "bwd" and items == 0:  # at::zeros of the partial rows before the multi-pass backward
+    if mode == "bwd" and plan["path"] == "multipass":  # at::zeros of the partial rows before the multi-pass backward
         memset = blocks * D * 4 * parameter_count(op)
         dram_total += memset
         seconds += memset / H200.copy_bandwidth + H200.launch_s
@@ -311,7 +314,9 @@ def table(records: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in records:
         p = r["plan"]
-        path = f"cluster{p['cluster']}" if p.get("cluster", 0) > 1 else p["path"]
+        path = p["path"]
+        if p.get("cluster", 0) > 1:
+            path = f"{'cluster' if path == 'shared' else path}{p['cluster']}"
         lines.append(
             f"{r['op']:<10} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>7} {path:<9} "
             f"{p['block_threads']:>7} {r['occupancy']:>5.2f} {r['registers']:>4} {r['spill_bytes']:>5} "

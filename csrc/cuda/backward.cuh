@@ -12,6 +12,7 @@
 #include "launch_plan.h"
 #include "reduce.cuh"
 #include "rounding.cuh"
+#include "shared_vectors.cuh"
 
 namespace torch_ln {
 
@@ -30,6 +31,12 @@ struct BackwardParams {
   int threads_per_row;
   const R* grad_residual_out;  // added to dx; nullptr when there is none
   DeviceRounding<acc_t> rounding;
+  // The shared-memory kernel (RowPlan): blocks a row is split over, vectors a block holds, whether it keeps its
+  // slice of the row (else reads it twice) and of the weight on chip.
+  int cluster_blocks = 0;
+  int64_t slice_vectors = 0;
+  bool row_on_chip = false;
+  bool staged_weight = false;
 };
 
 // g = dy * weight (dy without weight), rounded to the input dtype under Llama-style rounding.
@@ -224,6 +231,148 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
   }
 }
 
+// Adds v to vector c of a block's gradient sums in shared memory (a vector only its thread touches).
+template <int VEC, typename acc_t>
+TLN_DEVICE void add_to_sums(const SharedVectors<acc_t, VEC>& sums, int64_t c, const acc_t (&v)[VEC]) {
+  acc_t sum[VEC];
+  sums.load(c, sum);
+  Vec<acc_t, VEC> out;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out.v[j] = sum[j] + v[j];
+  sums.store(c, out);
+}
+
+// The weight of vector c of a block's slice (whose first vector is `first`): from the block's copy where
+// p.staged_weight, from global memory otherwise.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void slice_weight(const BackwardParams<T, W, acc_t, R>& p, const SharedVectors<W, VEC>& staged,
+                             int64_t first, int64_t c, acc_t (&w)[VEC]) {
+  if (p.staged_weight) {
+    staged.load(c, w);
+  } else {
+    load_weight(p, (first + c) * VEC, w);
+  }
+}
+
+// x and dy of one vector of a row as loaded, converted to acc_t.
+template <int VEC, typename T, typename R, typename acc_t>
+TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, acc_t (&x)[VEC], acc_t (&dy)[VEC]) {
+  to_acc(x_raw, x);
+  to_acc(dy_raw, dy);
+}
+
+// Rows too long for registers (the backward of norm_forward_shared_kernel): a row per block, or per thread-block
+// cluster of p.cluster_blocks (sm_90), each block owning a slice of p.slice_vectors of the columns for all the rows
+// it walks. Per row a block reads its slices of x and dy once (kBackwardSharedUnroll vectors of each a thread, all in
+// flight before the first is used), keeps them in shared memory where p.row_on_chip (as stored: the fewest bytes),
+// adds the row sums' terms and, to the gradient sums it keeps in shared memory (acc_t) for the whole walk, dy * xhat
+// and dy. The row sums go through the cluster in rank order (ClusterSum2); dx is written once, from the slice on
+// chip, or (rows too long for a cluster's shared memory) from a second read of it, mostly from L2: the one extra
+// read. At the end each block writes its slice of its cluster's partial row, once, for reduce_partials_kernel. A
+// thread touches only the vectors c = thread, thread + threads, ... of the slice, so only the row sums need barriers.
+// The weight slice is copied on chip once where p.staged_weight, read per row from global memory (L2) otherwise.
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel(BackwardParams<T, W, acc_t, R> p) {
+  unsigned char* shared = dev::dynamic_shared<unsigned char>();
+  const bool dweight = p.partial_dweight != nullptr;
+  const bool dbias = KIND == NormKind::LayerNorm && p.partial_dbias != nullptr;
+  const SharedRowLayout layout(p.slice_vectors * VEC, p.row_on_chip ? sizeof(R) : 0, int{p.staged_weight}, sizeof(W),
+                               sizeof(acc_t), p.row_on_chip ? sizeof(T) : 0, int{dweight} + int{dbias});
+  auto vectors = [&](auto elem, size_t offset) {
+    using E = decltype(elem);
+    return SharedVectors<E, VEC>{reinterpret_cast<typename SharedVectors<E, VEC>::Piece*>(shared + offset),
+                                 p.slice_vectors};
+  };
+  const SharedVectors<R, VEC> x_slice = vectors(R{}, 0);
+  const SharedVectors<T, VEC> dy_slice = vectors(T{}, layout.dy);
+  const SharedVectors<W, VEC> weight_slice = vectors(W{}, layout.weight);
+  const SharedVectors<acc_t, VEC> dweight_sums = vectors(acc_t{}, layout.grads);
+  const SharedVectors<acc_t, VEC> dbias_sums =
+      vectors(acc_t{}, layout.grads + (dweight ? SharedRowLayout::round16(dweight_sums.bytes(p.slice_vectors)) : 0));
+  acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
+  const int cluster = p.cluster_blocks;
+  const int threads = dev::block_dim_x();
+  const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() : 0} * p.slice_vectors;  // of the row, in vectors
+  // The last slice may be shorter (the planner's smallest cluster leaves none empty; one would loop zero times).
+  const int64_t rest = p.cols / VEC - first;
+  const int64_t count = rest < p.slice_vectors ? rest : p.slice_vectors;
+  const Vec<acc_t, VEC> zeros{};
+  for (int64_t c = dev::thread_x(); c < count; c += threads) {
+    if (p.staged_weight)
+      weight_slice.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.weight) + first + c));
+    if (dweight) dweight_sums.store(c, zeros);
+    if (dbias) dbias_sums.store(c, zeros);
+  }
+  ClusterSum2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster};
+  const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
+  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
+    const acc_t mean = p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
+    const acc_t rstd = dev::load_global(&p.rstd[row]);
+    const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice
+    acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
+    for (int64_t base = dev::thread_x(); base < count; base += int64_t{kBackwardSharedUnroll} * threads) {
+      Vec<R, VEC> x_raw[kBackwardSharedUnroll];
+      Vec<T, VEC> dy_raw[kBackwardSharedUnroll];
+#pragma unroll
+      for (int k = 0; k < kBackwardSharedUnroll; ++k) {
+        const int64_t c = base + int64_t{k} * threads;
+        x_raw[k] = load_vec_if<VEC>(c < count, p.x, row_start + c * VEC);
+        dy_raw[k] = load_vec_if<VEC>(c < count, p.dy, row_start + c * VEC);
+      }
+#pragma unroll
+      for (int k = 0; k < kBackwardSharedUnroll; ++k) {
+        const int64_t c = base + int64_t{k} * threads;
+        if (c >= count) break;
+        if (p.row_on_chip) {
+          x_slice.store(c, x_raw[k]);
+          dy_slice.store(c, dy_raw[k]);
+        }
+        acc_t xhat[VEC], dy[VEC], w[VEC];
+        row_vector(x_raw[k], dy_raw[k], xhat, dy);
+        slice_weight(p, weight_slice, first, c, w);
+        add_row_terms<T>(p, mean, rstd, xhat, dy, w, sum_g, sum_g_xhat);
+        if (dweight) {
+          acc_t dy_xhat[VEC];
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
+          add_to_sums(dweight_sums, c, dy_xhat);
+        }
+        if (dbias) add_to_sums(dbias_sums, c, dy);
+      }
+    }
+    cluster_sum2(sum_g, sum_g_xhat, threads, scratch);
+    if (p.dx == nullptr) continue;
+    for (int64_t c = dev::thread_x(); c < count; c += threads) {
+      acc_t xhat[VEC], dy[VEC], w[VEC];
+      if (p.row_on_chip) {
+        x_slice.load(c, xhat);
+        dy_slice.load(c, dy);
+      } else {
+        row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + row_start) + c),
+                   dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) xhat[j] = (xhat[j] - mean) * rstd;  // as add_row_terms computed it
+      slice_weight(p, weight_slice, first, c, w);
+      store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+    }
+  }
+  // The cluster's partial row (slot: the cluster's index), this block's slice of it.
+  const int64_t slot = dev::block_x() / cluster;
+  for (int64_t c = dev::thread_x(); c < count; c += threads) {
+    acc_t sum[VEC];
+    if (dweight) {
+      dweight_sums.load(c, sum);
+      store_vec<VEC>(p.partial_dweight + slot * p.cols, (first + c) * VEC, sum);
+    }
+    if (dbias) {
+      dbias_sums.load(c, sum);
+      store_vec<VEC>(p.partial_dbias + slot * p.cols, (first + c) * VEC, sum);
+    }
+  }
+  if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
+}
+
 // The backward's kernels by register tier, for launch_rows.
 template <typename T, typename W, typename acc_t, typename R>
 struct BackwardKernels {
@@ -235,6 +384,10 @@ struct BackwardKernels {
     } else {
       return &norm_backward_kernel<T, W, acc_t, R, K, VEC, ITEMS>;
     }
+  }
+  template <NormKind K, int VEC>
+  static constexpr auto shared_row() {
+    return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC>;
   }
 };
 

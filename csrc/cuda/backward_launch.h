@@ -27,6 +27,15 @@ void launch_reduce_partials(const Params& p, const BackwardArgs& a, int64_t part
   }
 }
 
+// Where the backward may stage rows too long for registers: x (R) and dy (T), the weight slice (W) where given,
+// and the requested gradients' sums (`grads` of them, acc_t), in the device's shared memory per block, over
+// clusters where it has them.
+template <typename acc_t, typename T, typename R, typename W>
+SharedRowSpace backward_shared_row_space(bool weight, int grads, const DeviceLimits& limits) {
+  return {sizeof(R), int{weight}, sizeof(W), sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks,
+          sizeof(T), grads};
+}
+
 template <typename Types>
 void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   using T = typename Types::input_t;
@@ -48,26 +57,43 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                    {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight}) &&
                       vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out});
-  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t, R>::budget);
+  const SharedRowSpace space = backward_shared_row_space<acc_t, T, R, W>(
+      p.weight != nullptr, int{a.dweight.defined()} + int{a.dbias.defined()}, limits);
+  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t, R>::budget, space);
   p.threads_per_row = plan.threads_per_row;
-  // Row reductions, then (several rows a block) the block's partial rows added on chip.
-  const size_t smem = std::max(plan.smem_bytes<acc_t>(),
-                               plan.rows_per_block > 1 ? plan.rows_per_block * a.cols * sizeof(acc_t) : size_t{0});
+  p.cluster_blocks = plan.cluster_blocks;
+  p.slice_vectors = plan.slice_vectors;
+  p.row_on_chip = plan.row_on_chip;
+  p.staged_weight = plan.slice_params;
   with_row_kernel<BackwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
-    limit_to_one_wave(plan, limits,
-                      dev::resident_blocks_per_sm(kernel, plan.block_threads(), smem, limits.max_threads_per_sm));
-    // One partial row per block and gradient; the multi-pass kernel accumulates into them, so they start at zero.
+    size_t smem = 0;
+    if (plan.shared_row()) {  // a cluster per row, as many as the device holds at once
+      smem = space.layout(plan.slice_vectors, plan.vec, plan.slice_params, plan.row_on_chip).total;
+      size_shared_row_grid(kernel, plan, a.rows, smem, limits);
+    } else {  // row reductions, then (several rows a block) the block's partial rows added on chip
+      smem = std::max(plan.smem_bytes<acc_t>(),
+                      plan.rows_per_block > 1 ? plan.rows_per_block * a.cols * sizeof(acc_t) : size_t{0});
+      limit_to_one_wave(plan, limits,
+                        dev::resident_blocks_per_sm(kernel, plan.block_threads(), smem, limits.max_threads_per_sm));
+    }
+    // One partial row per block (the shared-memory path: per cluster) and gradient; the multi-pass kernel
+    // accumulates into them, so they start at zero.
+    const int64_t partial_rows = plan.shared_row() ? plan.blocks / plan.cluster_blocks : plan.blocks;
     const auto partial_options = a.x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     auto partial = [&](const at::Tensor& grad) {
       if (!grad.defined()) return at::Tensor();
-      return plan.multipass() ? at::zeros({plan.blocks, a.cols}, partial_options)
-                              : at::empty({plan.blocks, a.cols}, partial_options);
+      return plan.multipass() ? at::zeros({partial_rows, a.cols}, partial_options)
+                              : at::empty({partial_rows, a.cols}, partial_options);
     };
     const at::Tensor partial_dweight = partial(a.dweight), partial_dbias = partial(a.dbias);
     p.partial_dweight = mutable_data_or_null<acc_t>(partial_dweight);
     p.partial_dbias = mutable_data_or_null<acc_t>(partial_dbias);
-    dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
-    if (a.dweight.defined() || a.dbias.defined()) launch_reduce_partials<acc_t, W>(p, a, plan.blocks, stream);
+    if (plan.shared_row()) {
+      launch_shared_rows(kernel, plan, smem, stream, p);
+    } else {
+      dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
+    }
+    if (a.dweight.defined() || a.dbias.defined()) launch_reduce_partials<acc_t, W>(p, a, partial_rows, stream);
   });
 }
 

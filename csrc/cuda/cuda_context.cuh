@@ -13,9 +13,11 @@ namespace torch_ln {
 struct CudaLaunchContext {
   explicit CudaLaunchContext(const at::Tensor& input) : guard(input.device()) {
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    // Clusters where the device launches them (sm_90 and later), of the portable size.
+    // Clusters where the device launches them: on sm_90 (H100/H200) of up to 16 blocks (non-portable: the
+    // occupancy API then says how many fit), elsewhere of the portable 8.
+    const int clusters = props->major == 9 ? kMaxClusterBlocks : kPortableClusterBlocks;
     limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin,
-              props->clusterLaunch ? kMaxClusterBlocks : 1};
+              props->clusterLaunch ? clusters : 1};
     stream = at::cuda::getCurrentCUDAStream();
   }
 

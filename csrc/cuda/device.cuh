@@ -178,9 +178,11 @@ inline cudaLaunchConfig_t cluster_config(Dim3 grid, Dim3 block, size_t smem_byte
 }
 
 // How many clusters of `cluster` blocks (of `threads` threads and `smem_bytes` each) the device holds at once.
+// Clusters of more than 8 blocks (the portable size) need the kernel's opt-in first (sm_90: up to 16).
 template <typename... Params>
 int resident_clusters(void (*kernel)(Params...), unsigned cluster, int threads, size_t smem_bytes, int /*num_sms*/,
                       int /*max_threads_per_sm*/) {
+  if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config =
       cluster_config({cluster}, {static_cast<unsigned>(threads)}, smem_bytes, 0, cluster, attribute);

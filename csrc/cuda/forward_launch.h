@@ -7,11 +7,12 @@
 namespace torch_ln {
 
 // Where the forward may stage rows too long for registers: rows of R (what is normalized) and the parameter rows
-// given in the device's shared memory per block, over clusters where it has them.
+// given in the device's shared memory per block, over clusters where it has them, of the portable size (its
+// clusters of 16 are not tested yet).
 template <typename acc_t, typename R, typename W>
 SharedRowSpace forward_shared_row_space(bool weight, bool bias, const DeviceLimits& limits) {
   return {sizeof(R),     int{weight} + int{bias},     sizeof(W),
-          sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
+          sizeof(acc_t), limits.max_shared_per_block, std::min(limits.max_cluster_blocks, kPortableClusterBlocks)};
 }
 
 template <typename Types>
@@ -52,19 +53,8 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
                               .layout(plan.slice_vectors, plan.vec, plan.slice_params)
                               .total;
-      const int threads = plan.block_threads();
-      dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
-      const int64_t resident =
-          plan.cluster_blocks == 1
-              ? int64_t{limits.num_sms} * dev::resident_blocks_per_sm(kernel, threads, smem, limits.max_threads_per_sm)
-              : dev::resident_clusters(kernel, plan.cluster_blocks, threads, smem, limits.num_sms,
-                                       limits.max_threads_per_sm);
-      limit_to_resident_clusters(plan, a.rows, resident);
-      if (plan.cluster_blocks == 1) {
-        dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
-      } else {
-        dev::launch_clusters(kernel, plan.cluster_blocks, grid_of(plan), block_of(plan), smem, stream, p);
-      }
+      size_shared_row_grid(kernel, plan, a.rows, smem, limits);
+      launch_shared_rows(kernel, plan, smem, stream, p);
       return;
     }
     size_t smem = scratch;

@@ -62,6 +62,7 @@ struct RowPlan {
   int cluster_blocks;
   int64_t slice_vectors;
   bool slice_params;  // the shared-memory path also keeps its slice of the weight and bias on chip
+  bool row_on_chip;   // the shared-memory path keeps its slice of the row (false: the backward reads it twice)
 
   bool shared_row() const { return cluster_blocks > 0; }
   bool multipass() const { return items == 0 && !shared_row(); }
@@ -87,50 +88,66 @@ inline int next_pow2(int64_t n) {
   return p;
 }
 
-// The shared-memory path (the forward): a block of kSharedRowThreads per row slice, each thread loading
-// kSharedRowUnroll vectors at a time (all in flight before the first is used), at most kMaxClusterBlocks blocks
-// (the portable cluster size) per row.
+// The shared-memory path: a block of kSharedRowThreads per row slice, each thread loading kSharedRowUnroll vectors
+// at a time (all in flight before the first is used), at most kMaxClusterBlocks blocks per row: sm_90's non-portable
+// cluster size (H100/H200 run clusters of 16 where the kernel opts in, dev::resident_clusters; beyond
+// kPortableClusterBlocks the launch needs that opt-in, and the occupancy API says how many the device holds).
 constexpr int kSharedRowThreads = 512;
 constexpr int kSharedRowUnroll = 8;
-constexpr int kMaxClusterBlocks = 8;
+constexpr int kBackwardSharedUnroll = 4;  // the backward loads x and dy: 8 vectors a thread in flight
+constexpr int kPortableClusterBlocks = 8;
+constexpr int kMaxClusterBlocks = 16;
 
 // Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
-// (`slice_elems` of `row_elem_bytes`), of the weight and of the bias (`param_rows` of them, each of
-// `param_elem_bytes`, where the block keeps them), the two partial sums of two cluster reductions, the row-sum
-// scratch.
+// (`slice_elems` of `row_elem_bytes`; the backward's x, then its dy, of `dy_elem_bytes`), of the weight and of the
+// bias (`param_rows` of them, each of `param_elem_bytes`, where the block keeps them), the backward's weight/bias
+// gradient sums (`grad_rows` of `acc_bytes`), the two partial sums of two cluster reductions, the row-sum scratch.
 struct SharedRowLayout {
-  size_t weight, bias, partials, scratch, total;
+  size_t dy, weight, bias, grads, partials, scratch, total;
 
   static constexpr size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
   constexpr SharedRowLayout(int64_t slice_elems, size_t row_elem_bytes, int param_rows, size_t param_elem_bytes,
-                            size_t acc_bytes)
-      : weight(round16(slice_elems * row_elem_bytes)),
+                            size_t acc_bytes, size_t dy_elem_bytes = 0, int grad_rows = 0)
+      : dy(round16(slice_elems * row_elem_bytes)),
+        weight(dy + round16(slice_elems * dy_elem_bytes)),
         bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
-        partials(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
+        grads(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
+        partials(grads + grad_rows * round16(slice_elems * acc_bytes)),
         scratch(partials + 4 * acc_bytes),
         total(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)) {}
 };
 
-// Room for the shared-memory path: what a row element takes there (the type of the normalized row), the weight
-// and bias rows given and their element size, the accumulator's size, the device's shared memory per block (0: no
-// shared-memory path) and cluster size.
+// Room for the shared-memory path: what a row element takes there (the forward: the type of the normalized row;
+// the backward: x's, and dy's in dy_elem_bytes), the weight and bias rows given and their element size, the
+// accumulator's size, the device's shared memory per block (0: no shared-memory path) and cluster size, and the
+// backward's gradient sums kept on chip (grad_rows: one per requested parameter gradient).
 struct SharedRowSpace {
   size_t row_elem_bytes = 0;
   int param_rows = 0;
   size_t param_elem_bytes = 0, acc_bytes = 0, smem_per_block = 0;
   int max_cluster_blocks = 1;
+  size_t dy_elem_bytes = 0;
+  int grad_rows = 0;
 
-  SharedRowLayout layout(int64_t slice_vectors, int vec, bool with_params) const {
-    return {slice_vectors * vec, row_elem_bytes, with_params ? param_rows : 0, param_elem_bytes, acc_bytes};
+  // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
+  SharedRowLayout layout(int64_t slice_vectors, int vec, bool with_params, bool with_row = true) const {
+    return {slice_vectors * vec,
+            with_row ? row_elem_bytes : 0,
+            with_params ? param_rows : 0,
+            param_elem_bytes,
+            acc_bytes,
+            with_row ? dy_elem_bytes : 0,
+            grad_rows};
   }
 };
 
 // The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
-// their shared memory, with their slices of the weight and bias if `with_params`, or 0 where none does.
-inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bool with_params) {
-  if (s.smem_per_block == 0) return 0;  // no shared-memory path (the backward's plans)
+// their shared memory (its slice of the row where `with_row`, of the weight and bias where `with_params`, and the
+// backward's gradient sums), or 0 where none does.
+inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bool with_params, bool with_row) {
+  if (s.smem_per_block == 0) return 0;  // no shared-memory path
   for (int c = 1; c <= std::min(s.max_cluster_blocks, kMaxClusterBlocks); c *= 2) {
-    if (s.layout(ceil_div(nvec, c), vec, with_params).total <= s.smem_per_block) return c;
+    if (s.layout(ceil_div(nvec, c), vec, with_params, with_row).total <= s.smem_per_block) return c;
   }
   return 0;
 }
@@ -141,10 +158,10 @@ inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bo
 // Rows beyond the grid are handled by a grid-stride loop. The layout depends
 // only on D, dtype and alignment, never on M: that makes a row's result
 // independent of its batch.
-// Rows too long for registers go to the shared-memory path where `shared` has room for them (the forward), with
-// the weight and bias beside them where a cluster of kMaxClusterBlocks has room for those too (they are then read
-// once per block, not once per row), and to the multi-pass path otherwise. Each is a function of D, dtype,
-// alignment, the parameters given and the device.
+// Rows too long for registers go to the shared-memory path where `shared` has room for them, with the weight and
+// bias beside them where the device's largest cluster has room for those too (they are then read once per block,
+// not once per row), and to the multi-pass path otherwise. Each is a function of D, dtype, alignment, the
+// parameters and gradients asked for and the device.
 inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable, RegisterBudget budget,
                          const SharedRowSpace& shared = {}) {
   RowPlan p{};
@@ -157,11 +174,23 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
   } else if (nvec <= int64_t{large} * budget.max_threads) {  // the row fits in the registers of a block
     p.items = large;
     p.threads_per_row = std::max(32, next_pow2(ceil_div(nvec, large)));
-  } else {  // longer rows: staged on chip (with the weight and bias where they fit too), or several passes
+  } else {  // longer rows: staged on chip, or several passes
     p.items = 0;
-    p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, true);
-    p.slice_params = p.shared_row() && shared.param_rows > 0;
-    if (!p.shared_row()) p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, false);
+    // The first that a cluster holds: the row with the weight and bias (read once per block, not once per row);
+    // the row alone; and for the backward, whose gradient sums must stay on chip, those sums with the weight, then
+    // alone, the row read twice (the second time mostly from L2: one extra read, not the multi-pass kernel's
+    // read-modify-write of the sums in global memory for every row).
+    struct Staging {
+      bool row, params;
+    };
+    for (const Staging s : {Staging{true, true}, Staging{true, false}, Staging{false, true}, Staging{false, false}}) {
+      if (!s.row && shared.grad_rows == 0) break;
+      p.cluster_blocks = shared_row_cluster(nvec, p.vec, shared, s.params, s.row);
+      if (!p.shared_row()) continue;
+      p.row_on_chip = s.row;
+      p.slice_params = s.params && shared.param_rows > 0;
+      break;
+    }
     p.threads_per_row = p.shared_row() ? kSharedRowThreads : budget.max_threads;
     p.slice_vectors = p.shared_row() ? ceil_div(nvec, p.cluster_blocks) : 0;
   }

@@ -39,10 +39,11 @@ void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64
 }
 
 // The plan the launchers make on the emulated device (rows without a residual, `param_rows` of weight and bias in
-// the input's dtype): vec, items, threads_per_row, rows_per_block, blocks, cluster_blocks (the forward's
-// shared-memory path; 0 elsewhere), that path's shared memory per block and whether it keeps the parameters there. The
-// register and shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's
-// threads per SM, as the emulated launch counts it).
+// the input's dtype; the backward: a weight where param_rows > 0, and param_rows gradients asked for): vec, items,
+// threads_per_row, rows_per_block, blocks, cluster_blocks (the shared-memory path; 0 elsewhere), that path's shared
+// memory per block, whether it keeps the parameters there and whether it keeps the row there. The register and
+// shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's threads per
+// SM, as the emulated launch counts it).
 std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable,
                           int64_t blocks_per_sm, int64_t param_rows) {
   TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
@@ -50,24 +51,28 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   const bool fwd = direction == "fwd";
   const int acc_bytes = elem_bytes == 8 ? 8 : 4;  // float64 accumulates in float64, the rest in float32
   const DeviceLimits& d = emulated_device();
-  const SharedRowSpace shared = fwd ? SharedRowSpace{.row_elem_bytes = static_cast<size_t>(elem_bytes),
-                                                     .param_rows = static_cast<int>(param_rows),
-                                                     .param_elem_bytes = static_cast<size_t>(elem_bytes),
-                                                     .acc_bytes = static_cast<size_t>(acc_bytes),
-                                                     .smem_per_block = d.max_shared_per_block,
-                                                     .max_cluster_blocks = d.max_cluster_blocks}
-                                    : SharedRowSpace{};
+  const auto elem = static_cast<size_t>(elem_bytes);
+  const SharedRowSpace shared{.row_elem_bytes = elem,
+                              .param_rows = fwd ? static_cast<int>(param_rows) : int{param_rows > 0},
+                              .param_elem_bytes = elem,
+                              .acc_bytes = static_cast<size_t>(acc_bytes),
+                              .smem_per_block = d.max_shared_per_block,
+                              .max_cluster_blocks = fwd ? std::min(d.max_cluster_blocks, kPortableClusterBlocks)
+                                                        : d.max_cluster_blocks,  // as the launchers
+                              .dy_elem_bytes = fwd ? 0 : elem,
+                              .grad_rows = fwd ? 0 : static_cast<int>(param_rows)};
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
                         for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), shared);
   const int per_sm = blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads();
   int64_t smem = 0;
   if (p.shared_row()) {
     limit_to_resident_clusters(p, rows, int64_t{d.num_sms} * per_sm / p.cluster_blocks);
-    smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.vec, p.slice_params).total);
+    smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.vec, p.slice_params, p.row_on_chip).total);
   } else if (!p.multipass() || !fwd) {  // the forward's multi-pass kernel has a block a row
     limit_to_one_wave(p, d, per_sm);
   }
-  return {p.vec, p.items, p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks, smem, p.slice_params};
+  return {p.vec, p.items,        p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks,
+          smem,  p.slice_params, p.row_on_chip};
 }
 
 void set_counting(bool on) { emu::set_counting(on); }

@@ -184,9 +184,9 @@ def test_long_rows(kind, dtype, rows, cols):
 # every dtype's kernels for longer rows run. The forward keeps 32 float32 (16 float64) values a thread x 512 threads
 # in registers, 8 on the scalar path: 16392 = 8 * 2049 and the prime 16411. The backward keeps 16 (8): 8200 = 8 * 1025
 # and the prime 8209; a backward call also runs the forward and the reduce (2 x D / 32 blocks: slow to emulate),
-# so the backward cases are the shortest rows that reach its multi-pass path.
+# so the backward cases are the shortest rows that reach its long-row paths.
 FORWARD_LONG_COLS = [16392, 16411]
-BACKWARD_MULTIPASS_COLS = [8200, 8209]
+BACKWARD_LONG_COLS = [8200, 8209]
 
 
 @contextlib.contextmanager
@@ -198,6 +198,10 @@ def _device(shared=None, cluster=None):
         yield
     finally:
         ops.set_device(2, 2048)
+
+
+# A GPU without clusters (sm_80): 163 KB of shared memory a block.
+SM80 = {"shared": 163 * 1024, "cluster": 1}
 
 
 # The forward's paths for rows too long for registers, and the emulated devices that take them at D=16392/16411:
@@ -243,25 +247,192 @@ def test_forward_long_rows_every_dtype(path, kind, dtype, param_dtype, cols):
     _check_forward(kind, x, weight, bias, y)
 
 
+def _acc_bytes(dtype):
+    return 8 if dtype == torch.float64 else 4
+
+
+def _reread_device(cols, dtype, grads, with_weight=False, param_dtype=None):
+    """A device without clusters whose blocks hold the backward's `grads` gradient sums of a row of `cols` (and the
+    weight beside them if `with_weight`) but not the row: the shared-memory backward reads each row twice. 1 KB covers
+    the rounding, the partial sums and the row-sum scratch; the row needs at least 2 x 2 bytes an element more."""
+    weight_bytes = with_weight * (param_dtype or dtype).itemsize
+    return _device(shared=cols * (grads * _acc_bytes(dtype) + weight_bytes) + 1024, cluster=1)
+
+
+# The backward's paths for rows too long for registers, and the emulated devices that take them at D=8200/8209
+# (with the weight, and the gradients of weight and bias asked for): the row and the weight in one block's shared
+# memory (an sm_90; float64 rows take a cluster of 2), the gradient sums alone on chip and the row read twice, and
+# the multi-pass path (a device whose shared memory holds not even the sums, no clusters).
+BACKWARD_LONG_PATHS = {
+    "shared": lambda cols, dtype, grads: _device(),
+    "reread": _reread_device,
+    "multipass": lambda cols, dtype, grads: _device(shared=1024, cluster=1),
+}
+
+
+def _backward_kernel(kind, x, weight, bias, dy, mask=(True, True, True), check=True):
+    """The emulated forward and backward (checked against torch where `check`), and the backward row kernel's launch
+    record."""
+    ops.set_counting(True)
+    try:
+        if check:
+            ours = _check_against_torch(kind, x, weight, bias, dy)
+        else:
+            ours, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask)
+    finally:
+        ops.set_counting(False)
+    log = json.loads(ops.take_launch_log())
+    return ours, next(launch for launch in log if "norm_backward" in launch["kernel"])
+
+
+@pytest.mark.parametrize("path", BACKWARD_LONG_PATHS)
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype,param_dtype", DTYPES)
-@pytest.mark.parametrize("cols", BACKWARD_MULTIPASS_COLS)
-def test_backward_multipass_every_dtype(kind, dtype, param_dtype, cols):
+@pytest.mark.parametrize("cols", BACKWARD_LONG_COLS)
+def test_backward_long_rows_every_dtype(path, kind, dtype, param_dtype, cols):
     x, weight, bias, dy = _inputs(2, cols, dtype, param_dtype, (True, kind == "layer"))
-    _check_against_torch(kind, x, weight, bias, dy)
+    grads = 1 + (kind == "layer")
+    with BACKWARD_LONG_PATHS[path](cols, dtype, grads):
+        _, launch = _backward_kernel(kind, x, weight, bias, dy)
+    assert ("shared" if path == "reread" else path) in launch["kernel"]
+    row_bytes = cols * (dtype.itemsize + dtype.itemsize)  # x and dy
+    assert path != "reread" or launch["dynamic_smem"] < row_bytes + cols * grads * _acc_bytes(dtype)
+    assert path != "shared" or launch["dynamic_smem"] * launch["cluster"] >= row_bytes + cols * param_dtype.itemsize
+
+
+@pytest.mark.parametrize("path", BACKWARD_LONG_PATHS)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_long_rows_without_weight_or_dx(path, kind):
+    # The long-row kernels' arms without a weight, without dx (only the parameter gradients), and (LayerNorm)
+    # with the bias gradient alone, or the weight gradient alone.
+    cols = BACKWARD_LONG_COLS[0]
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, kind == "layer"))
+    with BACKWARD_LONG_PATHS[path](cols, torch.float32, int(kind == "layer")):
+        _check_against_torch(kind, x, weight, bias, dy)
+    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    with BACKWARD_LONG_PATHS[path](cols, torch.float32, 1 + (kind == "layer")):
+        full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+        no_dx, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(False, True, True))
+        dx_and_dbias, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(True, False, True))
+        dx_and_dweight, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(True, True, False))
+    assert no_dx[1].numel() == 0 and torch.equal(no_dx[2], full[2])
+    assert no_dx[3] is None or torch.equal(no_dx[3], full[3])
+    assert torch.equal(dx_and_dbias[1], full[1]) and dx_and_dbias[2].numel() == 0
+    assert dx_and_dbias[3] is None or torch.equal(dx_and_dbias[3], full[3])
+    assert torch.equal(dx_and_dweight[1], full[1]) and torch.equal(dx_and_dweight[2], full[2])
+    assert dx_and_dweight[3] is None or dx_and_dweight[3].numel() == 0
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_backward_multipass_without_weight_or_dx(kind):
-    # The multi-pass backward's arms without a weight, and without dx (only the parameter gradients).
-    cols = BACKWARD_MULTIPASS_COLS[0]
-    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (False, kind == "layer"))
-    _check_against_torch(kind, x, weight, bias, dy)
-    x, weight, bias, dy = _inputs(2, cols, torch.float32, torch.float32, (True, kind == "layer"))
-    full, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
-    no_dx, _ = _emulated(kind, x, weight, bias, dy, 1e-5, mask=(False, True, True))
-    assert no_dx[1].numel() == 0 and torch.equal(no_dx[2], full[2])
-    assert no_dx[3] is None or torch.equal(no_dx[3], full[3])
+def test_backward_long_rows_no_rows(kind):
+    # M = 0 on the shared-memory path: every block writes its zero partial sums.
+    x, weight, bias, dy = _inputs(0, BACKWARD_LONG_COLS[0], torch.float32, torch.float32, (True, kind == "layer"))
+    (_, dx, dw, db), _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(weight))
+    assert db is None or torch.equal(db, torch.zeros_like(bias))
+
+
+def _backward_cluster_device(cols, dtype, cluster, param_dtype, grads):
+    """A device whose blocks hold 1/cluster of a row of `cols` elements of `dtype` (x and dy), of the weight and of
+    `grads` gradient sums, and no more: the backward splits such rows over a cluster of `cluster` blocks."""
+    per_elem = 2 * dtype.itemsize + param_dtype.itemsize + grads * _acc_bytes(dtype)
+    return _device(shared=-(-cols // cluster) * per_elem + 1024, cluster=cluster)
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8, 16])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,param_dtype,rows,cols",
+    [
+        (torch.float32, torch.float32, 3, 8200),  # 16-byte vectors; 3 rows: the 2-SM device's clusters walk rows
+        (torch.bfloat16, torch.float32, 2, 8200),  # 32-byte gradient-sum and parameter vectors
+        (torch.float64, torch.float64, 2, 8200),  # double sums through the cluster; 16-byte vectors of 2
+        (torch.float32, torch.float32, 1, 8209),  # the scalar path (prime D), the last slice shorter; M = 1
+    ],
+)
+def test_backward_cluster_sizes(cluster, kind, dtype, param_dtype, rows, cols):
+    # Every cluster size (16: sm_90's non-portable one): each block's slice of x, dy, the weight and the gradient
+    # sums on chip; the row sums through distributed shared memory in rank order.
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    with _backward_cluster_device(cols, dtype, cluster, param_dtype, 1 + (kind == "layer")):
+        _, launch = _backward_kernel(kind, x, weight, bias, dy)
+    assert "shared" in launch["kernel"] and launch["cluster"] == cluster
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("cols", BACKWARD_LONG_COLS)
+def test_backward_reread_with_weight_on_chip(kind, cols):
+    # Room for the gradient sums and the weight, not the row: the row is read twice, the weight once per block.
+    # Same layout of blocks and columns as with the row on chip, so the same results, bitwise.
+    x, weight, bias, dy = _inputs(3, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    grads = 1 + (kind == "layer")
+    on_chip, launch = _backward_kernel(kind, x, weight, bias, dy)
+    assert "shared" in launch["kernel"] and launch["cluster"] == 1
+    with _reread_device(cols, torch.float32, grads, with_weight=True):
+        reread, launch = _backward_kernel(kind, x, weight, bias, dy)
+    assert "shared" in launch["kernel"] and cols * (4 * grads + 4) <= launch["dynamic_smem"] < cols * (4 * grads + 8)
+    for a, b in zip(on_chip, reread):
+        assert a is None or torch.equal(a, b)
+
+
+# Where each backward path begins and ends. Registers: 16 float32 or bfloat16 values a thread x 512 threads (8192),
+# 8 on the scalar path (4096). On a GPU without clusters (sm_80: 163 KB a block), float32 LayerNorm with weight and
+# bias: x, dy, the weight and two gradient sums (20 bytes an element) plus 144 bytes of sums and scratch hold
+# (166912 - 144) // 20 = 8338 -> 8336 elements (whole vectors); without the weight (16 bytes) 10420; the row read
+# twice with the weight (12 bytes) 13896, without (8 bytes) 20844; then the multi-pass kernel.
+# (dtype, D, device, kernel, (cluster, weight on chip, row on chip) of the plan)
+BACKWARD_BOUNDARIES = [
+    (torch.float32, 8192, {}, "norm_backward_kernel", None),  # the last D of the register path
+    (torch.float32, 8196, {}, "shared", (1, True, True)),  # the first D of the shared-memory path
+    (torch.bfloat16, 8192, {}, "norm_backward_kernel", None),
+    (torch.bfloat16, 8200, {}, "shared", (1, True, True)),
+    (torch.float32, 4095, {}, "norm_backward_kernel", None),  # odd D: the scalar path, registers up to 4096
+    (torch.float32, 4099, {}, "shared", None),  # ... and shared memory beyond (4099: the scalar path, prime)
+    (torch.float32, 8336, SM80, "shared", (1, True, True)),
+    (torch.float32, 8340, SM80, "shared", (1, False, True)),
+    (torch.float32, 10420, SM80, "shared", (1, False, True)),
+    (torch.float32, 10424, SM80, "shared", (1, True, False)),
+    (torch.float32, 13896, SM80, "shared", (1, True, False)),
+    (torch.float32, 13900, SM80, "shared", (1, False, False)),
+    (torch.float32, 20844, SM80, "shared", (1, False, False)),
+    (torch.float32, 20848, SM80, "multipass", None),
+]
+
+
+@pytest.mark.parametrize("dtype,cols,device,kernel,staging", BACKWARD_BOUNDARIES)
+def test_backward_path_boundaries(dtype, cols, device, kernel, staging):
+    x, weight, bias, dy = _inputs(1, cols, dtype, dtype, (True, True))
+    with _device(**device):
+        plan = ops.plan("bwd", 1, cols, dtype.itemsize, cols * dtype.itemsize % 16 == 0, 0, 2)
+        _, launch = _backward_kernel("layer", x, weight, bias, dy)
+    assert kernel in launch["kernel"]
+    assert staging is None or (plan[5], plan[7], plan[8]) == staging
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("path", ["shared", "cluster", "reread"])
+def test_backward_long_rows_deterministic_and_batch_invariant(kind, path):
+    # The shared-memory backward, a block or a cluster of 4 per row, or the row read twice: row 5 alone, in batches
+    # of 6 and of 12 (the emulated device holds 8 blocks: the blocks walk rows), dx bitwise the same; the batch of
+    # 12 again: every output bitwise the same.
+    cols = BACKWARD_LONG_COLS[0]
+    grads = 1 + (kind == "layer")
+    devices = {
+        "shared": _device,
+        "cluster": lambda: _backward_cluster_device(cols, torch.float32, 4, torch.float32, grads),
+        "reread": lambda: _reread_device(cols, torch.float32, grads),
+    }
+    x, weight, bias, dy = _inputs(12, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    with devices[path]():
+        alone, launch = _backward_kernel(kind, x[5:6].clone(), weight, bias, dy[5:6].clone(), check=False)
+        assert "shared" in launch["kernel"] and launch["cluster"] == (4 if path == "cluster" else 1)
+        six, _ = _backward_kernel(kind, x[:6], weight, bias, dy[:6], check=False)
+        twelve, launch = _backward_kernel(kind, x, weight, bias, dy, check=False)
+        again, _ = _backward_kernel(kind, x, weight, bias, dy, check=False)
+    assert launch["grid"] == 8
+    assert torch.equal(six[1][5], alone[1][0]) and torch.equal(twelve[1][5], alone[1][0])
+    for a, b in zip(twelve, again):
+        assert a is None or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -377,7 +548,6 @@ def test_forward_cluster_without_room_for_parameters(kind):
 # scalar path (4096). One block's shared memory on a GPU without clusters (sm_80: 163 KB): the row rounded up to
 # 16 bytes plus 144 bytes of sums, so float32 rows up to (166912 - 144) // 16 * 16 // 4 = 41692 elements (exactly
 # the limit).
-SM80 = {"shared": 163 * 1024, "cluster": 1}
 BOUNDARIES = [
     (torch.float32, 16384, {}, "norm_forward_kernel"),  # the last D of the register path
     (torch.float32, 16388, {}, "shared"),  # the first D of the shared-memory path
@@ -571,6 +741,46 @@ def test_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype
     """half/bfloat16 input, residual_out in the input's dtype or float32 (float32 vectors of 8 elements: 32-byte
     accesses): residual_out bitwise torch's add; y, d(residual_out) and the parameter gradients within FLOOR of the
     emulated plain norm of residual_out, which differs only in rounding them once instead of twice."""
+    _check_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("path", ["cluster", "reread"])
+def test_backward_long_rows_residual_add(kind, path):
+    # The backward's cluster and read-twice paths with a float32 residual stream beside bfloat16 input (x as
+    # float32, dy as bfloat16 on chip) and its incoming gradient added to dx.
+    cols, grads = BACKWARD_LONG_COLS[0], 1 + (kind == "layer")
+    devices = {
+        "cluster": lambda: _device(shared=-(-cols // 4) * (4 + 2 + 2 + 4 * grads) + 1024, cluster=4),
+        "reread": lambda: _reread_device(cols, torch.float32, grads),
+    }
+    with devices[path]():
+        ops.set_counting(True)
+        try:
+            _check_residual_add_reduced_precision(kind, torch.bfloat16, torch.bfloat16, torch.float32, 2, cols)
+        finally:
+            ops.set_counting(False)
+    launch = next(launch for launch in json.loads(ops.take_launch_log()) if "norm_backward" in launch["kernel"])
+    assert "shared" in launch["kernel"] and launch["cluster"] == (4 if path == "cluster" else 1)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES[2:])
+@pytest.mark.parametrize("cols", BACKWARD_LONG_COLS)
+def test_backward_multipass_residual_add(kind, dtype, param_dtype, cols):
+    # The multi-pass backward (a device without room for even the gradient sums: GPUs before sm_90 at long rows)
+    # with a float32 residual stream beside half/bfloat16 input: its own kernel instances.
+    with _device(shared=1024, cluster=1):
+        ops.set_counting(True)
+        try:
+            _check_residual_add_reduced_precision(kind, dtype, param_dtype, torch.float32, 2, cols)
+        finally:
+            ops.set_counting(False)
+    launch = next(launch for launch in json.loads(ops.take_launch_log()) if "norm_backward" in launch["kernel"])
+    assert "multipass" in launch["kernel"]
+
+
+def _check_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dtype, rows, cols):
     x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
     g = torch.Generator().manual_seed(7)
     stream = residual_dtype or dtype

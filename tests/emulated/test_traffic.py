@@ -23,7 +23,7 @@ import kernel_model
 ROWS = 5  # a partial tile of rows for every rows-per-block, several row-slots
 F32, BF16 = torch.float32, torch.bfloat16
 # Each path once or twice, both ops and dtypes spread over them: short rows (tpr < 32), a warp per row, a block
-# per row, the backward's multi-pass path (beyond 8192 values) with the forward in registers, the forward's
+# per row, the backward's shared-memory path (beyond 8192 values) with the forward in registers, the forward's
 # shared-memory path (beyond 16384; a cluster of 2 for float32 LayerNorm, whose weight and bias take twice the
 # row's bytes).
 CASES = [
@@ -52,7 +52,7 @@ def test_traffic(op, mode, dtype, cols):
         assert efficiency == 1.0, f"{launch['kernel']}: sector efficiency {efficiency:.3f}"
         assert launch["bank_conflicts"] == 0, launch["kernel"]
     elem = dtype.itemsize
-    plan = kernel_model.ops().plan(mode, ROWS, cols, elem, True)
+    plan = kernel_model.ops().plan(mode, ROWS, cols, elem, True, 0, kernel_model.parameter_count(op))
     items, blocks, cluster = plan[1], plan[4], plan[5]
     if items == 0 and cluster == 0:
         return  # the multi-pass paths re-read rows by design (issue 10); the model reports by how much
@@ -66,8 +66,10 @@ def test_traffic(op, mode, dtype, cols):
         assert launch["store_bytes"] == row_bytes + ROWS * 4 * stats
     else:
         assert regions["dy"][0] == row_bytes, "dy is read more than once"
-        # Stores: dx, then the partial-sum allowance: a float32 partial row per block and parameter gradient.
-        assert launch["store_bytes"] == row_bytes + blocks * cols * 4 * kernel_model.parameter_count(op)
+        # Stores: dx, then the partial-sum allowance: a float32 partial row per block (the shared-memory path: per
+        # cluster) and parameter gradient.
+        slots = blocks // max(1, cluster)
+        assert launch["store_bytes"] == row_bytes + slots * cols * 4 * kernel_model.parameter_count(op)
 
 
 def test_counters_see_a_rereading_path():

@@ -1,0 +1,44 @@
+// Vectors kept in a block's shared memory by the shared-memory kernels (forward.cuh, backward.cuh).
+#pragma once
+
+#include "launch_plan.h"
+#include "reduce.cuh"
+
+namespace torch_ln {
+
+// Vectors of VEC elements kept in shared memory as E, in 16-byte pieces: piece h of vector c at h * count + c, so
+// that a warp's lanes touch consecutive 16-byte pieces (no bank conflicts, even for 32-byte vectors: float
+// parameters or a float32 residual stream beside 16-bit inputs).
+template <typename E, int VEC>
+struct SharedVectors {
+  static constexpr int kPieceElems = VEC * sizeof(E) > kVectorBytes ? kVectorBytes / sizeof(E) : VEC;
+  using Piece = Vec<E, kPieceElems>;
+
+  Piece* pieces;
+  int64_t count;
+
+  // The bytes `count` vectors take.
+  static constexpr size_t bytes(int64_t count) { return static_cast<size_t>(count) * VEC * sizeof(E); }
+
+  TLN_DEVICE void store(int64_t c, const Vec<E, VEC>& v, dev::Site site = TLN_SITE) const {
+#pragma unroll
+    for (int h = 0; h < VEC / kPieceElems; ++h) {
+      Piece piece;
+#pragma unroll
+      for (int j = 0; j < kPieceElems; ++j) piece.v[j] = v.v[h * kPieceElems + j];
+      dev::store_shared(&pieces[h * count + c], piece, site);
+    }
+  }
+
+  template <typename acc_t>
+  TLN_DEVICE void load(int64_t c, acc_t (&out)[VEC], dev::Site site = TLN_SITE) const {
+#pragma unroll
+    for (int h = 0; h < VEC / kPieceElems; ++h) {
+      const Piece piece = dev::load_shared(&pieces[h * count + c], site);
+#pragma unroll
+      for (int j = 0; j < kPieceElems; ++j) out[h * kPieceElems + j] = static_cast<acc_t>(piece.v[j]);
+    }
+  }
+};
+
+}  // namespace torch_ln
