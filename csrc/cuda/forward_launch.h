@@ -7,12 +7,11 @@
 namespace torch_ln {
 
 // Where the forward may stage rows too long for registers: rows of R (what is normalized) and the parameter rows
-// given in the device's shared memory per block, over clusters where it has them, of the portable size (its
-// clusters of 16 are not tested yet).
+// given in the device's shared memory per block, over clusters where it has them.
 template <typename acc_t, typename R, typename W>
 SharedRowSpace forward_shared_row_space(bool weight, bool bias, const DeviceLimits& limits) {
   return {sizeof(R),     int{weight} + int{bias},     sizeof(W),
-          sizeof(acc_t), limits.max_shared_per_block, std::min(limits.max_cluster_blocks, kPortableClusterBlocks)};
+          sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
 }
 
 template <typename Types>

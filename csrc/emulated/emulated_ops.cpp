@@ -57,8 +57,7 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
                               .param_elem_bytes = elem,
                               .acc_bytes = static_cast<size_t>(acc_bytes),
                               .smem_per_block = d.max_shared_per_block,
-                              .max_cluster_blocks = fwd ? std::min(d.max_cluster_blocks, kPortableClusterBlocks)
-                                                        : d.max_cluster_blocks,  // as the launchers
+                              .max_cluster_blocks = d.max_cluster_blocks,
                               .dy_elem_bytes = fwd ? 0 : elem,
                               .grad_rows = fwd ? 0 : static_cast<int>(param_rows)};
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,

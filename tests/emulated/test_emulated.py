@@ -503,14 +503,15 @@ def test_forward_shared_row_parameters_without_room(kind, affine, dtype, param_d
     _check_forward(kind, x, weight, bias, staged)
 
 
-def _cluster_device(cols, dtype, cluster, param_bytes_per_elem=0):
+def _cluster_device(cols, dtype, cluster, param_bytes_per_elem=0, max_cluster=None):
     """A device whose blocks hold 1/cluster of a row of `cols` elements of `dtype` (and `param_bytes_per_elem` of
-    weight and bias an element) and no more: the forward stages such rows over a cluster of `cluster` blocks.
-    1 KB covers the rounding, the partial sums and the row-sum scratch; half the cluster would need about twice."""
-    return _device(shared=-(-cols // cluster) * (dtype.itemsize + param_bytes_per_elem) + 1024)
+    weight and bias an element) and no more, with clusters of up to `max_cluster` blocks (None: sm_90's portable 8):
+    the forward stages such rows over a cluster of `cluster` blocks. 1 KB covers the rounding, the partial sums and
+    the row-sum scratch; half the cluster would need about twice."""
+    return _device(shared=-(-cols // cluster) * (dtype.itemsize + param_bytes_per_elem) + 1024, cluster=max_cluster)
 
 
-@pytest.mark.parametrize("cluster", [2, 4, 8])
+@pytest.mark.parametrize("cluster", [2, 4, 8, 16])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize(
     "dtype,param_dtype,rows,cols",
@@ -527,7 +528,8 @@ def test_forward_cluster_sizes(cluster, kind, dtype, param_dtype, rows, cols):
     # shared memory.
     x, weight, bias, _ = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
     param_bytes = (1 + (kind == "layer")) * param_dtype.itemsize
-    with _cluster_device(cols, dtype, cluster, param_bytes):
+    # 16: sm_90's non-portable cluster size, on a device that allows it (as an H100/H200 where the kernel opts in).
+    with _cluster_device(cols, dtype, cluster, param_bytes, max_cluster=16):
         (y,), launch = _forward_kernel(kind, x, weight, bias)
     assert "shared" in launch["kernel"] and launch["cluster"] == cluster
     _check_forward(kind, x, weight, bias, y)
