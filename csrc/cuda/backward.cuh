@@ -292,10 +292,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
   const int cluster = p.cluster_blocks;
   const int threads = dev::block_dim_x();
-  const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() : 0} * p.slice_vectors;  // of the row, in vectors
-  // The last slice may be shorter (the planner's smallest cluster leaves none empty; one would loop zero times).
-  const int64_t rest = p.cols / VEC - first;
-  const int64_t count = rest < p.slice_vectors ? rest : p.slice_vectors;
+  const RowSlice mine = row_slice(p.cols / VEC, p.slice_vectors, cluster);
+  const int64_t first = mine.first, count = mine.count;  // of the row, in vectors
   const Vec<acc_t, VEC> zeros{};
   for (int64_t c = dev::thread_x(); c < count; c += threads) {
     if (p.staged_weight)

@@ -17,9 +17,8 @@ struct DeviceLimits {
   int max_cluster_blocks;       // blocks a thread-block cluster may have: 8 on sm_90 (portable), 1 without clusters
 };
 
-constexpr int kVectorBytes = 16;        // one 128-bit load or store
-constexpr int kRowsBlockThreads = 128;  // block size when several rows share a block
-constexpr int kSmallItems = 2;          // vectors per thread for short rows
+constexpr int kVectorBytes = 16;  // one 128-bit load or store
+constexpr int kSmallItems = 2;    // vectors per thread for short rows
 
 // How much of a row a thread keeps in registers, per kernel family. Sized by
 // the register file (64K 32-bit registers per SM): a block of max_threads may
@@ -27,22 +26,26 @@ constexpr int kSmallItems = 2;          // vectors per thread for short rows
 // in them with room for addresses and indices (ptxas: no spills, no stack; the
 // tests check it for every instantiation).
 struct RegisterBudget {
-  int elems;         // accumulator values per thread, for a 4-byte accumulator, in 16-byte vectors
-  int scalar_elems;  // the same on the scalar path, where each value carries its own address and bounds check
-  int max_threads;   // threads per row (and per block) at most; the kernels' launch bounds
+  int elems;               // accumulator values per thread, for a 4-byte accumulator, in 16-byte vectors
+  int scalar_elems;        // the same on the scalar path, where each value carries its own address and bounds check
+  int max_threads;         // threads per row (and per block) at most; the kernels' launch bounds
+  int rows_block_threads;  // block size when several rows share a block
 };
 // The forward holds x: 32 values a thread in up to 128 registers (512 threads;
 // at 1024 threads, 64 registers do not hold 32 values and their addresses), 8
 // on the scalar path (each value with its own address and bounds check).
-constexpr RegisterBudget kForwardBudget{32, 8, 512};
+constexpr RegisterBudget kForwardBudget{32, 8, 512, 128};
 // The backward holds x, dy, the weight and the running weight/bias gradient
 // sums: 5 x 16 values a thread, so blocks stop at 512 threads to stay within the
-// register file; 8 on the scalar path.
-constexpr RegisterBudget kBackwardBudget{16, 8, 512};
+// register file; 8 on the scalar path. Its blocks share rows up to 512 threads: each block writes one partial row
+// per gradient for the reduce to read, so 4x fewer of them than with blocks of 128 (at the same residency: 512
+// threads an SM at the 128 registers a thread it takes).
+constexpr RegisterBudget kBackwardBudget{16, 8, 512, 512};
 
 // A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.
 constexpr RegisterBudget for_accumulator(RegisterBudget budget, int acc_bytes) {
-  return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads};
+  return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads,
+          budget.rows_block_threads};
 }
 
 // The register tiers a kernel is compiled for, in vectors per thread: kSmallItems
@@ -194,7 +197,7 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
     p.threads_per_row = p.shared_row() ? kSharedRowThreads : budget.max_threads;
     p.slice_vectors = p.shared_row() ? ceil_div(nvec, p.cluster_blocks) : 0;
   }
-  p.rows_per_block = std::max(1, kRowsBlockThreads / p.threads_per_row);
+  p.rows_per_block = std::max(1, budget.rows_block_threads / p.threads_per_row);
   p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));
   return p;
 }
