@@ -16,6 +16,12 @@ __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _ops = torch.ops.torch_ln
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+# Looked up once, not on every call. torch.compile recognizes is_compiling by identity (it answers True there and
+# stops the check), torch.func and autocast are C++ queries, forward-mode AD a module attribute.
+_is_compiling = torch.compiler.is_compiling
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_autocast_enabled = torch._C._is_any_autocast_enabled
+_forward_ad = torch.autograd.forward_ad
 
 
 def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
@@ -38,10 +44,10 @@ def _eager(input: Tensor, *others: Tensor | None) -> bool:
         if t is not None and type(t) not in _PLAIN_TENSORS:
             return False
     return not (
-        torch._C._are_functorch_transforms_active()
-        or torch._C._is_any_autocast_enabled()
-        or torch.compiler.is_compiling()
-        or _transforms._forward_ad_active()  # dual tensors
+        _is_compiling()
+        or _functorch_transforms_active()
+        or _autocast_enabled()
+        or _forward_ad._current_level >= 0  # inside a dual_level: dual tensors
     )
 
 
