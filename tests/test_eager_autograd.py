@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import torch_ln
 
@@ -261,8 +262,10 @@ def test_compiled_autograd_matches_eager(name):
     y, leaves = _eager_output_and_leaves(name)
     grad = torch.randn_like(y)
     expected = torch.autograd.grad(y, leaves, grad, retain_graph=True)
+    counters.clear()
     with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
         y.backward(grad)
+    assert counters["compiled_autograd"]["captures"] == 1  # the backward ran as a compiled graph
     for leaf, e in zip(leaves, expected):
         torch.testing.assert_close(leaf.grad, e, rtol=0, atol=0)
     torch._dynamo.reset()
