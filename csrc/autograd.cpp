@@ -54,6 +54,16 @@ bool records(std::initializer_list<OptTensor> tensors) {
                      [](const OptTensor& t) { return t && t->defined() && t->requires_grad(); });
 }
 
+// The node has no forward-mode derivative: dual tensors belong to the *_fwd operators, where torch_ln.ops sends
+// them. A dual tensor here is refused rather than its tangent dropped.
+void check_no_tangent(const char* op, std::initializer_list<OptTensor> tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(!(t && torch::autograd::isFwGradDefined(*t)), "torch_ln::", op,
+                " has no forward-mode AD, but a dual tensor came; call torch_ln.", op, ", which takes torch_ln::", op,
+                "_fwd for it");
+  }
+}
+
 // Which operator a node differentiates. Its inputs (the node's edges, in order) are (input, weight[, bias]), or
 // (input, residual, weight[, bias]) for the fused residual add, whose outputs are (y, residual_out).
 enum class Norm : int64_t { kLayer, kRms, kAddLayer, kAddRms };
@@ -318,6 +328,7 @@ c10::intrusive_ptr<NormBackward> record(Attributes attributes, std::initializer_
 
 at::Tensor layer_norm_op(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
                          const OptTensor& bias, double eps) {
+  check_no_tangent("layer_norm", {input, weight, bias});
   auto [y, mean, rstd] = [&] {
     BelowAutogradAndAutocast guard;
     return layer_norm_fwd(input, normalized_shape, weight, bias, eps);
@@ -331,6 +342,7 @@ at::Tensor layer_norm_op(const at::Tensor& input, at::IntArrayRef normalized_sha
 
 at::Tensor rms_norm_op(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
                        std::optional<double> eps, double weight_offset, bool round_normalized) {
+  check_no_tangent("rms_norm", {input, weight});
   auto [y, rstd] = [&] {
     BelowAutogradAndAutocast guard;
     return rms_norm_fwd(input, normalized_shape, weight, eps, weight_offset, round_normalized);
@@ -345,6 +357,7 @@ at::Tensor rms_norm_op(const at::Tensor& input, at::IntArrayRef normalized_shape
 std::tuple<at::Tensor, at::Tensor> add_layer_norm_op(const at::Tensor& input, const at::Tensor& residual,
                                                      at::IntArrayRef normalized_shape, const OptTensor& weight,
                                                      const OptTensor& bias, double eps, OptDtype residual_dtype) {
+  check_no_tangent("add_layer_norm", {input, residual, weight, bias});
   auto [y, residual_out, mean, rstd] = [&] {
     BelowAutogradAndAutocast guard;
     return add_layer_norm_fwd(input, residual, normalized_shape, weight, bias, eps, residual_dtype);
@@ -360,6 +373,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_op(const at::Tensor& input, co
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& input, const at::Tensor& residual,
                                                    at::IntArrayRef normalized_shape, const OptTensor& weight,
                                                    std::optional<double> eps, OptDtype residual_dtype) {
+  check_no_tangent("add_rms_norm", {input, residual, weight});
   auto [y, residual_out, rstd] = [&] {
     BelowAutogradAndAutocast guard;
     return add_rms_norm_fwd(input, residual, normalized_shape, weight, eps, residual_dtype);

@@ -254,6 +254,17 @@ def test_retained_graph_gives_the_same_gradients_twice(name):
         torch.autograd.grad(y, leaves, grad)
 
 
+@pytest.mark.parametrize("needs", ["", "w"])
+@pytest.mark.parametrize("name", CALLS)
+def test_dual_tensor_at_the_eager_operator_raises(name, needs):
+    """The node has no forward-mode derivative: a tangent is refused, not dropped, whether or not it records."""
+    x, r, nshape, w, b = _inputs(name, (4, 9), 1, torch.float32, torch.float32, needs)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.randn_like(x))
+        with pytest.raises(RuntimeError, match=f"torch_ln::{name} has no forward-mode AD"):
+            CALLS[name][1](dual, r, nshape, w, b)
+
+
 @pytest.mark.parametrize("name", CALLS)
 def test_compiled_autograd_matches_eager(name):
     """The node under compiled autograd (torch._dynamo.compiled_autograd): its backward as a function of the saved
