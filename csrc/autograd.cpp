@@ -1,10 +1,11 @@
 // Autograd in C++ for eager calls: the operators torch_ln::layer_norm, rms_norm, add_layer_norm and add_rms_norm
-// run the *_fwd kernel below autograd and record a hand-written backward node (NormBackward: saved tensors as
-// SavedVariables, as torch's generated nodes do), whose backward calls the *_bwd kernel. Measured with thread CPU
-// time on the 2-core dev VM, 4x1024 float32 requiring grad (benchmarks/bench_overhead.py): FIGURES.
-// It is also what makes the C++ API trainable.
+// run the *_fwd kernel below autograd and record NormBackward, a node written out as torch's generated ones are
+// (SavedVariables, plain members), whose backward calls the *_bwd kernel. A torch::autograd::Function cost ~3 us
+// more a call (its context, IValue map, per-output checks). Per call, 4x1024 float32 requiring grad, thread CPU time
+// on the 2-core dev VM (benchmarks/bench_overhead.py, min of 30 batches): the operator 9.1 us forward (11.8 with the
+// Function), torch.layer_norm 7.3; forward + backward 104 us (116), torch's 93. It also makes the C++ API trainable.
 // torch.compile, torch.func and forward-mode AD keep the *_fwd operators and their Python registration: this node
-// has no jvp, no vmap rule and is not traceable. torch_ln.ops picks one or the other per call.
+// has no jvp and no vmap rule, and torch.compile cannot trace into it. torch_ln.ops picks one or the other per call.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/irange.h>
 #include <torch/csrc/autograd/function.h>

@@ -16,12 +16,12 @@ __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _ops = torch.ops.torch_ln
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-# Looked up once, not on every call. torch.compile recognizes is_compiling by identity (it answers True there and
-# stops the check), torch.func and autocast are C++ queries, forward-mode AD a module attribute.
+# _eager's mode checks, looked up once rather than on every call. torch.compile recognizes is_compiling by identity
+# (it answers True there, and the check stops at it).
 _is_compiling = torch.compiler.is_compiling
 _functorch_transforms_active = torch._C._are_functorch_transforms_active
 _autocast_enabled = torch._C._is_any_autocast_enabled
-_forward_ad = torch.autograd.forward_ad
+_forward_ad_active = _transforms._forward_ad_active
 # The eager operators, called through their C++ entry (OpOverload._op): OpOverload.__call__ adds a Python frame
 # (~0.5 us a call) for a check that only applies to operators defined in Python.
 _EAGER = {name: getattr(_ops, name).default for name in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")}
@@ -46,12 +46,8 @@ def _eager(input: Tensor, *others: Tensor | None) -> bool:
     for t in others:
         if t is not None and type(t) not in _PLAIN_TENSORS:
             return False
-    return not (
-        _is_compiling()
-        or _functorch_transforms_active()
-        or _autocast_enabled()
-        or _forward_ad._current_level >= 0  # inside a dual_level: dual tensors
-    )
+    # Forward-mode AD: dual tensors.
+    return not (_is_compiling() or _functorch_transforms_active() or _autocast_enabled() or _forward_ad_active())
 
 
 def layer_norm(
