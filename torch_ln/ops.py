@@ -16,6 +16,15 @@ __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
 
 _ops = torch.ops.torch_ln
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+# _eager's mode checks, looked up once rather than on every call. torch.compile recognizes is_compiling by identity
+# (it answers True there, and the check stops at it).
+_is_compiling = torch.compiler.is_compiling
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_autocast_enabled = torch._C._is_any_autocast_enabled
+_forward_ad_active = _transforms._forward_ad_active
+# The eager operators, called through their C++ entry (OpOverload._op): OpOverload.__call__ adds a Python frame
+# (~0.5 us a call) for a check that only applies to operators defined in Python.
+_EAGER = {name: getattr(_ops, name).default for name in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")}
 
 
 def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
@@ -37,12 +46,8 @@ def _eager(input: Tensor, *others: Tensor | None) -> bool:
     for t in others:
         if t is not None and type(t) not in _PLAIN_TENSORS:
             return False
-    return not (
-        torch._C._are_functorch_transforms_active()
-        or torch._C._is_any_autocast_enabled()
-        or torch.compiler.is_compiling()
-        or _transforms._forward_ad_active()  # dual tensors
-    )
+    # Forward-mode AD: dual tensors.
+    return not (_is_compiling() or _functorch_transforms_active() or _autocast_enabled() or _forward_ad_active())
 
 
 def layer_norm(
@@ -60,7 +65,7 @@ def layer_norm(
     """
     shape = _as_shape(normalized_shape)
     if _eager(input, weight, bias):
-        return _ops.layer_norm.default(input, shape, weight, bias, eps)
+        return _EAGER["layer_norm"]._op(input, shape, weight, bias, eps)
     return _ops.layer_norm_fwd.default(input, shape, weight, bias, eps)[0]
 
 
@@ -90,7 +95,7 @@ def rms_norm(
     """
     shape = _as_shape(normalized_shape)
     if _eager(input, weight):
-        return _ops.rms_norm.default(input, shape, weight, eps, weight_offset, round_normalized)
+        return _EAGER["rms_norm"]._op(input, shape, weight, eps, weight_offset, round_normalized)
     return _ops.rms_norm_fwd.default(input, shape, weight, eps, weight_offset, round_normalized)[0]
 
 
@@ -113,7 +118,7 @@ def add_layer_norm(
     """
     args = (x, residual, _as_shape(normalized_shape), weight, bias, eps, residual_dtype)
     if _eager(x, residual, weight, bias):
-        return _ops.add_layer_norm.default(*args)
+        return _EAGER["add_layer_norm"]._op(*args)
     y, residual_out, _, _ = _ops.add_layer_norm_fwd.default(*args)
     return y, residual_out
 
@@ -129,7 +134,7 @@ def add_rms_norm(
     """Residual add and RMS normalization in one pass: returns ``(y, residual_out)``, as :func:`add_layer_norm`."""
     args = (x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype)
     if _eager(x, residual, weight):
-        return _ops.add_rms_norm.default(*args)
+        return _EAGER["add_rms_norm"]._op(*args)
     y, residual_out, _ = _ops.add_rms_norm_fwd.default(*args)
     return y, residual_out
 
