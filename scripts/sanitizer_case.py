@@ -5,7 +5,8 @@ import torch
 import torch_ln
 
 torch.manual_seed(0)
-# (rows, D, dtype): short rows, warp rows, block rows, multi-pass, scalar path, mixed precision.
+# (rows, D, dtype): short rows, warp rows, block rows, rows in one block's shared memory and over clusters, scalar
+# path, mixed precision.
 CASES = [
     (37, 7, torch.float32),
     (64, 256, torch.bfloat16),
@@ -14,6 +15,9 @@ CASES = [
     (5, 9001, torch.float32),
     (3, 40000, torch.bfloat16),
     (17, 768, torch.float64),
+    (3, 16392, torch.float32),  # forward: one block's shared memory; backward: a cluster of 2
+    (2, 131072, torch.bfloat16),  # clusters of 4-16 blocks: distributed shared memory
+    (2, 262144, torch.float32),  # forward cluster of 16; backward LayerNorm reads the row twice
 ]
 for rows, cols, dtype in CASES:
     for weight_dtype in {dtype, torch.float32} if dtype in (torch.float16, torch.bfloat16) else {dtype}:
