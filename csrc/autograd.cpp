@@ -59,7 +59,7 @@ bool records(std::initializer_list<OptTensor> tensors) {
 // them. A dual tensor here is refused rather than its tangent dropped.
 void check_no_tangent(const char* op, std::initializer_list<OptTensor> tensors) {
   for (const auto& t : tensors) {
-    TORCH_CHECK(!(t && torch::autograd::isFwGradDefined(*t)), "torch_ln::", op,
+    TORCH_CHECK(!torch::autograd::isFwGradDefined(t), "torch_ln::", op,
                 " has no forward-mode AD, but a dual tensor came; call torch_ln.", op, ", which takes torch_ln::", op,
                 "_fwd for it");
   }
@@ -315,12 +315,22 @@ struct NormBackward : torch::autograd::Node {
   }
 };
 
+// A new node, held as the installed torch holds them: torch 2.13 made nodes intrusive_ptrs (and split
+// torch/csrc/autograd/node.h out of function.h); 2.11 and 2.12 keep them in shared_ptrs with torch's deleter.
+template <typename... Args>
+auto make_node(Args&&... args) {
+#if __has_include(<torch/csrc/autograd/node.h>)
+  return c10::make_intrusive<NormBackward>(std::forward<Args>(args)...);
+#else
+  return std::shared_ptr<NormBackward>(new NormBackward(std::forward<Args>(args)...), torch::autograd::deleteNode);
+#endif
+}
+
 // Records the node of one call: an edge to each input (invalid where no gradient is wanted), then the outputs'
 // history.
 template <typename... Inputs>
-c10::intrusive_ptr<NormBackward> record(Attributes attributes, std::initializer_list<at::Tensor*> outputs,
-                                        const Inputs&... inputs) {
-  auto node = c10::make_intrusive<NormBackward>(std::move(attributes), torch::autograd::collect_next_edges(inputs...));
+auto record(Attributes attributes, std::initializer_list<at::Tensor*> outputs, const Inputs&... inputs) {
+  auto node = make_node(std::move(attributes), torch::autograd::collect_next_edges(inputs...));
   for (auto* output : outputs) torch::autograd::set_history(*output, node);
   return node;
 }
