@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 # torch first: the extension builds against the installed torch (--no-build-isolation).
-"$PYTHON" -m pip install --quiet "torch>=2.11,<2.15" ninja pytest numpy expecttest transformers==5.23.0 timm==1.0.31
+"$PYTHON" -m pip install --quiet "torch>=2.11,<2.15" ninja pytest pytest-xdist numpy expecttest transformers==5.23.0 timm==1.0.31
 "$PYTHON" -m pip install --quiet --no-build-isolation -e .
 
 case "${1:-}" in
@@ -18,12 +18,13 @@ case "${1:-}" in
     ;;
   test)
     "$PYTHON" -m pytest tests --ignore=tests/emulated --ignore=tests/gates
-    # The emulated kernels under AddressSanitizer: its runtime has to be loaded first.
+    # The emulated kernels under AddressSanitizer: its runtime has to be loaded first. A launch runs on one OS
+    # thread (its emulated threads are fibers): one pytest worker per core.
     LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
-      TORCH_LN_REQUIRE_SANITIZERS=1 "$PYTHON" -m pytest tests/emulated
+      TORCH_LN_REQUIRE_SANITIZERS=1 "$PYTHON" -m pytest tests/emulated -n auto
     # Again under gcov, then the gates: every sm_90 kernel instantiation (ptxas) free of spills,
     # launched by those tests, and every branch arm of the kernels taken.
-    TORCH_LN_COVERAGE=1 "$PYTHON" -m pytest tests/emulated -q
+    TORCH_LN_COVERAGE=1 "$PYTHON" -m pytest tests/emulated -q -n auto
     TORCH_LN_REQUIRE_GATES=1 "$PYTHON" -m pytest tests/gates
     ;;
   *)

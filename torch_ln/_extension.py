@@ -15,11 +15,16 @@ LIBRARY = PACKAGE_DIR / "lib" / "libtorch_ln.so"
 
 def _sources_newer_than(library: Path) -> list[str]:
     # Only a source checkout (editable install) has csrc/ beside the package; the public header is a source too.
+    # csrc/emulated is the test-only SIMT emulator, not part of the library.
     root = PACKAGE_DIR.parent
     if not (root / "csrc").is_dir():
         return []
     built = library.stat().st_mtime
-    sources = [*(root / "csrc").rglob("*"), *(PACKAGE_DIR / "include").rglob("*")]
+    emulated = root / "csrc" / "emulated"
+    sources = [
+        *(p for p in (root / "csrc").rglob("*") if emulated not in p.parents),
+        *(PACKAGE_DIR / "include").rglob("*"),
+    ]
     return sorted(str(p.relative_to(root)) for p in sources if p.is_file() and p.stat().st_mtime > built)
 
 

@@ -1,12 +1,16 @@
 #include "simt_emulator.h"
 
 #include <dlfcn.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -14,7 +18,6 @@
 #include <new>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -23,87 +26,176 @@ namespace torch_ln::emu {
 
 namespace {
 
+thread_local ThreadContext* current_thread = nullptr;
+
 [[noreturn]] void fail(const std::string& message) {
   std::fprintf(stderr, "SIMT emulator: %s\n", message.c_str());
   std::abort();
 }
 
-// Counts completed barrier phases; the watchdog of a launch reads it.
-std::atomic<uint64_t> barrier_phases{0};
+// Emulated threads are fibers that the launching OS thread runs one at a time, round-robin: each runs until it
+// waits at a barrier, then the next one runs. A switch is a user-space context swap (where OS threads cost a futex
+// wake and a kernel context switch per thread and barrier), and a launch runs the same way every time.
+class Fibers {
+ public:
+  Fibers(size_t count, std::function<void(size_t)> entry) : entry_(std::move(entry)), fibers_(count) {
+    for (Fiber& f : fibers_) {
+      f.mapping = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (f.mapping == MAP_FAILED) fail("cannot map a fiber stack");
+      if (mprotect(f.mapping, kGuardBytes, PROT_NONE) != 0) fail("cannot protect a fiber stack's guard page");
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = stack_bottom(f);
+      f.context.uc_stack.ss_size = kStackBytes;
+      makecontext(&f.context, &Fibers::start, 0);
+      // ASan's swapcontext interceptor clears the shadow of the stack the target context names on every switch,
+      // which would erase a resumed fiber's live redzones; the fiber annotations below tell it the stacks instead.
+      f.context.uc_stack = {};
+    }
+  }
+  ~Fibers() {
+    for (Fiber& f : fibers_) {
+      // The fibers' last frames left redzones in ASan's shadow; a later mapping at these addresses must not inherit
+      // them.
+      unpoison(stack_bottom(f), kStackBytes);
+      munmap(f.mapping, kGuardBytes + kStackBytes);
+    }
+  }
+  Fibers(const Fibers&) = delete;
+  Fibers& operator=(const Fibers&) = delete;
 
-// A reusable barrier for a fixed number of threads, on atomics (a futex wait):
-// releasing a phase wakes the waiters without making them queue on a mutex.
-// Each arrival names the barrier it is (block start, __syncthreads, warp
-// shuffle, block end): threads of one phase that name different barriers have
-// diverged, which on a GPU is undefined behaviour, so it is an error here.
+  // Runs every fiber to its end. A pass over the fibers in which none arrived at a barrier or ended is a deadlock.
+  void run() {
+    running = this;
+    size_t live = fibers_.size();
+    while (live > 0) {
+      const uint64_t before = progress;
+      for (current_ = 0; current_ < fibers_.size(); ++current_) {
+        Fiber& f = fibers_[current_];
+        if (f.finished) continue;
+        void* fake_stack = nullptr;
+        start_switch(&fake_stack, stack_bottom(f), kStackBytes);
+        swapcontext(&scheduler_, &f.context);
+        finish_switch(fake_stack, nullptr, nullptr);
+        live -= f.finished;
+      }
+      if (live > 0 && progress == before) {
+        fail("deadlock: threads wait at a barrier that not every thread of the block reaches");
+      }
+    }
+    running = nullptr;
+  }
+
+  // Called by the running fiber: lets the others run until the scheduler comes back to it.
+  static void yield() {
+    Fibers& self = *running;
+    Fiber& f = self.fibers_[self.current_];
+    ThreadContext* const own = current_thread;
+    start_switch(&f.fake_stack, self.scheduler_bottom_, self.scheduler_size_);
+    swapcontext(&f.context, &self.scheduler_);
+    finish_switch(f.fake_stack, &self.scheduler_bottom_, &self.scheduler_size_);
+    current_thread = own;
+  }
+
+  // Arrivals at barriers and ended fibers, for the deadlock check.
+  static inline uint64_t progress = 0;
+
+ private:
+  static constexpr size_t kGuardBytes = 4096;       // below each stack, unmapped: an overflow faults
+  static constexpr size_t kStackBytes = 256 << 10;  // the kernels' frames, -O0 and sanitizer redzones included
+
+  struct Fiber {
+    ucontext_t context{};
+    void* mapping = nullptr;
+    void* fake_stack = nullptr;  // ASan's, across a switch
+    bool finished = false;
+  };
+
+  static void* stack_bottom(Fiber& f) { return static_cast<char*>(f.mapping) + kGuardBytes; }
+
+  static void start() {
+    Fibers& self = *running;
+    finish_switch(nullptr, &self.scheduler_bottom_, &self.scheduler_size_);
+    const size_t index = self.current_;
+    try {
+      self.entry_(index);
+    } catch (const std::exception& e) {
+      fail(std::string("an emulated thread threw: ") + e.what());
+    }
+    self.fibers_[index].finished = true;
+    ++progress;
+    start_switch(nullptr, self.scheduler_bottom_, self.scheduler_size_);  // this fiber's stack is done
+    setcontext(&self.scheduler_);
+  }
+
+  // AddressSanitizer's fiber annotations (no-ops without it).
+  static void start_switch(void** fake_stack, const void* bottom, size_t size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(fake_stack, bottom, size);
+#else
+    (void)fake_stack, (void)bottom, (void)size;
+#endif
+  }
+  static void finish_switch(void* fake_stack, const void** bottom, size_t* size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fake_stack, bottom, size);
+#else
+    (void)fake_stack, (void)bottom, (void)size;
+#endif
+  }
+
+  static void unpoison(void* bottom, size_t size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __asan_unpoison_memory_region(bottom, size);
+#else
+    (void)bottom, (void)size;
+#endif
+  }
+
+  static inline thread_local Fibers* running = nullptr;
+
+  std::function<void(size_t)> entry_;
+  std::vector<Fiber> fibers_;
+  size_t current_ = 0;
+  ucontext_t scheduler_{};
+  const void* scheduler_bottom_ = nullptr;
+  size_t scheduler_size_ = 0;
+};
+
+// A reusable barrier for a fixed number of threads. Each arrival names the barrier it is (block start,
+// __syncthreads, warp shuffle, block end): threads of one phase that name different barriers have diverged, which on
+// a GPU is undefined behaviour, so it is an error here.
 class Barrier {
  public:
   explicit Barrier(unsigned count) : count_(count) {}
 
   void arrive_and_wait(const char* what) {
-    const uint64_t generation = generation_.load(std::memory_order_acquire);
-    const char* expected = nullptr;
-    if (!phase_name_.compare_exchange_strong(expected, what) && expected != what) {
-      fail(std::string("divergent barrier: some threads reached '") + expected + "', others '" + what + "'");
+    if (phase_name_ == nullptr) {
+      phase_name_ = what;
+    } else if (phase_name_ != what) {
+      fail(std::string("divergent barrier: some threads reached '") + phase_name_ + "', others '" + what + "'");
     }
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
-      arrived_.store(0, std::memory_order_relaxed);
-      phase_name_.store(nullptr, std::memory_order_relaxed);
-      barrier_phases.fetch_add(1, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
-      generation_.notify_all();
+    ++Fibers::progress;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      phase_name_ = nullptr;
+      ++generation_;
       return;
     }
-    generation_.wait(generation, std::memory_order_acquire);
+    for (const uint64_t generation = generation_; generation_ == generation;) Fibers::yield();
   }
 
  private:
   const unsigned count_;
-  std::atomic<unsigned> arrived_{0};
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<const char*> phase_name_{nullptr};
-};
-
-// A kernel whose threads wait at a barrier some never reach hangs a GPU; here
-// the launch's watchdog aborts with a message once no barrier has completed
-// for this long.
-constexpr auto kDeadlockTimeout = std::chrono::seconds(300);
-
-class Watchdog {
- public:
-  Watchdog() : thread_([this] { watch(); }) {}
-  ~Watchdog() {
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    wake_.notify_one();
-    thread_.join();
-  }
-
- private:
-  void watch() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    uint64_t seen = barrier_phases.load();
-    while (!wake_.wait_for(lock, kDeadlockTimeout, [this] { return done_; })) {
-      const uint64_t now = barrier_phases.load();
-      if (now == seen) fail("deadlock: threads wait at a barrier that not every thread of the block reaches");
-      seen = now;
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool done_ = false;
-  std::thread thread_;
+  unsigned arrived_ = 0;
+  uint64_t generation_ = 0;
+  const char* phase_name_ = nullptr;
 };
 
 struct Warp {
   Barrier barrier{kWarpSize};
   uint64_t lanes[kWarpSize] = {};
 };
-
-thread_local ThreadContext* current_thread = nullptr;
 
 std::mutex launch_mutex;
 
@@ -509,13 +601,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
     current_thread = nullptr;
   };
 
-  const Watchdog watchdog;
-  std::vector<std::thread> pool;
-  pool.reserve(size_t{cluster} * threads);
-  for (unsigned rank = 0; rank < cluster; ++rank) {
-    for (unsigned tid = 0; tid < threads; ++tid) pool.emplace_back(run_thread, rank, tid);
-  }
-  for (auto& t : pool) t.join();
+  Fibers(size_t{cluster} * threads, [&](size_t i) { run_thread(i / threads, i % threads); }).run();
   if (counting)
     launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, cluster, concurrent_blocks,
                                      static_cast<double>(grid.x) / sampled_x));

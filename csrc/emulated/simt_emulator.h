@@ -2,8 +2,9 @@
 // kernel code without a GPU (see csrc/cuda/device.cuh, which maps the kernels'
 // device layer onto this file when compiled by a host compiler).
 //
-// Each CUDA thread of a block runs as its own OS thread; __syncthreads is a real
-// barrier across the block's threads; warp shuffles exchange values between the
+// Each CUDA thread of a block runs as its own fiber (a user-space context with
+// its own stack), one at a time on the launching OS thread, switching at
+// barriers; __syncthreads is a real barrier across the block's threads; warp shuffles exchange values between the
 // 32 threads of a warp through a barrier; blocks run one after another, except
 // that the blocks of a thread-block cluster run together, with a real cluster
 // barrier and each other's shared memory mapped (distributed shared memory). Dynamic

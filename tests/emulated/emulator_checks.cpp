@@ -1,0 +1,25 @@
+// Small launches that check the SIMT emulator itself (tests/emulated/test_emulator.py): argv[1] picks one.
+#include <cstdio>
+#include <cstring>
+
+#include "simt_emulator.h"
+
+using namespace torch_ln::emu;
+
+int main(int argc, char** argv) {
+  const char* check = argc > 1 ? argv[1] : "";
+  long sum = 0;
+  const auto body = [&] {
+    const unsigned tid = this_thread().linear_tid;
+    if (std::strcmp(check, "deadlock") == 0 && tid == 3) return;  // never reaches the block's barrier
+    if (std::strcmp(check, "divergent") == 0) {
+      if (tid != 3) cluster_sync();  // thread 3 goes on to the end of the block instead
+      return;
+    }
+    sync_threads();
+    sum += shfl_xor(static_cast<long>(tid), 1);  // the lanes' values, swapped in pairs
+    cluster_sync();
+  };
+  launch({6}, {64}, 0, nullptr, body, 2);  // 3 clusters of 2 blocks of 64 threads
+  std::printf("sum %ld\n", sum);
+}
