@@ -163,7 +163,8 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
     o = ops()
     rpb, threads = plan["rows_per_block"], plan["block_threads"]
     o.set_l2_model(H200.l2_bytes, concurrent_blocks)
-    cluster = max(1, plan["cluster"])
+    cluster = max(1, plan["cluster"], plan["partial_cluster"])
+    rpb *= plan["partial_cluster"]  # the register backward picks its cluster only where the rows fill one
     if not one_wave(mode, plan):
         runs = [(rpb, 1 << 20), (2 * rpb, 1 << 20)]  # (rows, SMs): uncapped grid, blocks = rows / rpb
         regress = [lambda r, b: [1.0, r]] * 2
@@ -188,13 +189,14 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
 
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
     """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
-    of rows over 32 threads; the backward with several rows a block adds their partial rows on chip; the forward's
+    of rows over 32 threads; the backward with several rows a block (or a cluster of blocks) adds their partial rows on
+    chip; the forward's
     register kernel keeps its copy of the weight and bias (`staged`) ahead of them; the shared-memory kernel's, as
     the plan says (its slice of the row, and of the weight and bias where they fit)."""
     if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
-    if mode == "bwd" and plan["rows_per_block"] > 1:
+    if mode == "bwd" and (plan["rows_per_block"] > 1 or plan["partial_cluster"] > 1):
         smem = max(smem, plan["rows_per_block"] * D * 4)
     if staged and mode == "fwd" and plan["path"] == "registers":
         smem += -(-parameter_count(op) * D * elem // 16) * 16
@@ -233,7 +235,7 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         finally:
             o.set_device(2, 2048)
 
-    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params, row_on_chip = plan_on_h200()
+    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params, row_on_chip, partial_cluster = plan_on_h200()
     plan = {
         "vec": vec,
         "items": items,
@@ -244,6 +246,7 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         # The shared-memory path keeps the row on chip, or (the backward's longest rows) reads it twice.
         "path": "registers" if items > 0 else ("shared" if row_on_chip else "reread") if cluster > 0 else "multipass",
         "cluster": cluster,
+        "partial_cluster": partial_cluster,  # the register backward's blocks whose partial rows become one
         "shared_smem": shared_smem,
         "slice_params": bool(slice_params),
     }

@@ -46,7 +46,7 @@ def _eager(input: Tensor, *others: Tensor | None) -> bool:
     for t in others:
         if t is not None and type(t) not in _PLAIN_TENSORS:
             return False
-    # Forward-mode AD: dual tensors.
+    # torch.compile, torch.func, autocast and forward-mode AD (dual tensors) need the registered rules.
     return not (_is_compiling() or _functorch_transforms_active() or _autocast_enabled() or _forward_ad_active())
 
 

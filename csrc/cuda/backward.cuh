@@ -1,6 +1,7 @@
 // Backward kernels: dx for each row, and the weight/bias gradients as float32
-// (float64) partial sums, one partial row per block, later reduced in a fixed
-// order by grad_reduce.cuh. No atomics: results are bitwise reproducible.
+// (float64) partial sums, one partial row per block or thread-block cluster,
+// later reduced in a fixed order by grad_reduce.cuh. No atomics: results are
+// bitwise reproducible.
 //
 // With xhat = (x - mean) * rstd and g = dy * weight:
 //   LayerNorm: dx = rstd * (g - sum(g) / D - xhat * sum(g * xhat) / D)
@@ -25,8 +26,8 @@ struct BackwardParams {
   const acc_t* rstd;
   const W* weight;         // nullptr: no weight
   R* dx;                   // nullptr: dx not requested
-  acc_t* partial_dweight;  // [blocks, cols], or nullptr when not requested
-  acc_t* partial_dbias;    // [blocks, cols], or nullptr when not requested
+  acc_t* partial_dweight;  // [partial rows, cols], or nullptr when not requested
+  acc_t* partial_dbias;    // [partial rows, cols], or nullptr when not requested
   int64_t rows, cols;
   int threads_per_row;
   const R* grad_residual_out;  // added to dx; nullptr when there is none
@@ -37,6 +38,9 @@ struct BackwardParams {
   int64_t slice_vectors = 0;
   bool row_on_chip = false;
   bool staged_weight = false;
+  // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
+  // kernels', and the shared-memory kernel's where a block holds whole rows.
+  int partial_cluster = 1;
 };
 
 // g = dy * weight (dy without weight), rounded to the input dtype under Llama-style rounding.
@@ -87,14 +91,34 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t, R>& p, int64_t row, i
   store_vec<VEC>(p.dx + row * p.cols, i, dx);
 }
 
-// The block's partial row of one gradient: its row-slots' sums added on chip in
-// slot order, so the block writes one partial row, whatever its rows per block.
-// Shared memory holds the slots' vectors plane by plane (element j of every
-// vector together), so a warp's accesses fall in distinct banks.
+// The partial rows of a thread-block cluster's blocks, added in rank order through distributed shared memory into
+// one: `load(rank, c, v)` reads vector c of block `rank`'s row. Block `rank` writes the vectors rank x threads +
+// thread, strided by the cluster's threads.
+template <int VEC, typename acc_t, typename Load>
+TLN_DEVICE void store_cluster_partial(acc_t* partial, int64_t nvec, int cluster, const Load& load) {
+  dev::cluster_sync();  // every block's row on chip
+  const int64_t threads = dev::block_dim_x();
+  for (int64_t c = dev::cluster_rank() * threads + dev::thread_x(); c < nvec; c += cluster * threads) {
+    acc_t total[VEC] = {};
+    for (int rank = 0; rank < cluster; ++rank) {
+      acc_t v[VEC];
+      load(rank, c, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) total[j] += v[j];
+    }
+    store_vec<VEC>(partial, c * VEC, total);
+  }
+  dev::cluster_sync();  // no block reuses (or exits with) its shared memory while another reads it
+}
+
+// The block's partial row of one gradient: its row-slots' sums added on chip in slot order, and where `cluster` > 1
+// the cluster's blocks' rows added in rank order (store_cluster_partial), so a block (a cluster) writes one partial
+// row, whatever its rows per block. Shared memory holds the slots' vectors plane by plane (element j of every vector
+// together), so a warp's accesses fall in distinct banks.
 template <int VEC, int ITEMS, typename acc_t>
 TLN_DEVICE void store_block_partial(acc_t* partial, const acc_t (&sums)[ITEMS][VEC], const RowLayout& layout,
-                                    int64_t nvec, acc_t* smem) {
-  if (layout.rows_per_block == 1) {
+                                    int64_t nvec, acc_t* smem, int cluster) {
+  if (layout.rows_per_block == 1 && cluster == 1) {
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int64_t c = layout.vector(k);
@@ -116,15 +140,31 @@ TLN_DEVICE void store_block_partial(acc_t* partial, const acc_t (&sums)[ITEMS][V
 #pragma unroll
       for (int j = 0; j < VEC; ++j) total[j] += dev::load_shared(&smem[(r * VEC + j) * nvec + c]);
     }
-    store_vec<VEC>(partial, c * VEC, total);
+    if (cluster == 1) {
+      store_vec<VEC>(partial, c * VEC, total);
+    } else {  // the block's row, for the cluster: in row 0's planes, column c (only this thread reads it)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dev::store_shared(&smem[j * nvec + c], total[j]);
+    }
+  }
+  if constexpr (partial_clusters_for(sizeof(acc_t))) {
+    if (cluster > 1) {  // each block's row in planes 0..VEC-1
+      store_cluster_partial<VEC>(partial, nvec, cluster, [&](int rank, int64_t c, acc_t(&v)[VEC]) {
+        const acc_t* remote = dev::cluster_shared(smem, rank);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[j] = dev::load_shared(&remote[j * nvec + c]);
+      });
+      return;
+    }
   }
   dev::sync_threads();  // smem is reused by the next gradient
 }
 
 // Rows held in registers, laid out as in the forward. A block walks the tiles
 // block, block + blocks, ...; each thread keeps its columns' weight and its
-// share of the weight/bias gradient sums in registers, and the block writes one
-// partial row per gradient at the end.
+// share of the weight/bias gradient sums in registers, and the block (where
+// p.partial_cluster > 1, its thread-block cluster) writes one partial row per
+// gradient at the end.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_kernel(BackwardParams<T, W, acc_t, R> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
@@ -174,11 +214,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
         store_dx<KIND>(p, row, c * VEC, xhat[k], dy[k], w[k], rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
-  // Every block writes its whole partial rows, zeros included, so the buffers need no clearing.
-  const int64_t slot = dev::block_x();
-  if (p.partial_dweight != nullptr) store_block_partial(p.partial_dweight + slot * p.cols, dweight, layout, nvec, smem);
+  // Every block (cluster) writes its whole partial rows, zeros included, so the buffers need no clearing.
+  int cluster = 1;
+  if constexpr (partial_clusters_for(sizeof(acc_t))) cluster = p.partial_cluster;
+  const int64_t slot = dev::block_x() / cluster;
+  if (p.partial_dweight != nullptr) {
+    store_block_partial(p.partial_dweight + slot * p.cols, dweight, layout, nvec, smem, cluster);
+  }
   if (KIND == NormKind::LayerNorm && p.partial_dbias != nullptr) {
-    store_block_partial(p.partial_dbias + slot * p.cols, dbias, layout, nvec, smem);
+    store_block_partial(p.partial_dbias + slot * p.cols, dbias, layout, nvec, smem, cluster);
   }
 }
 
@@ -268,7 +312,8 @@ TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, 
 // adds the row sums' terms and, to the gradient sums it keeps in shared memory (acc_t) for the whole walk, dy * xhat
 // and dy. The row sums go through the cluster in rank order (ClusterSum2); dx is written once, from the slice on
 // chip, or (rows too long for a cluster's shared memory) from a second read of it, mostly from L2: the one extra
-// read. At the end each block writes its slice of its cluster's partial row, once, for reduce_partials_kernel. A
+// read. At the end each block writes its slice of its cluster's partial row, once, for reduce_partials_kernel (blocks
+// that hold whole rows add theirs over a cluster of p.partial_cluster first). A
 // thread touches only the vectors c = thread, thread + threads, ... of the slice, so only the row sums need barriers.
 // The weight slice is copied on chip once where p.staged_weight, read per row from global memory (L2) otherwise.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
@@ -353,6 +398,20 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       for (int j = 0; j < VEC; ++j) xhat[j] = (xhat[j] - mean) * rstd;  // as add_row_terms computed it
       slice_weight(p, weight_slice, first, c, w);
       store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+    }
+  }
+  // Blocks that each hold whole rows (no cluster of their own), launched in clusters of p.partial_cluster: the
+  // cluster's gradient sums added in rank order into its one partial row.
+  if constexpr (partial_clusters_for(sizeof(acc_t))) {
+    if (p.partial_cluster > 1) {
+      const int64_t slot = dev::block_x() / p.partial_cluster;
+      auto store = [&](const SharedVectors<acc_t, VEC>& sums, acc_t* partial) {
+        store_cluster_partial<VEC>(partial + slot * p.cols, count, p.partial_cluster,
+                                   [&](int rank, int64_t c, acc_t(&v)[VEC]) { load_from_rank(sums, rank, c, v); });
+      };
+      if (dweight) store(dweight_sums, p.partial_dweight);
+      if (dbias) store(dbias_sums, p.partial_dbias);
+      return;
     }
   }
   // The cluster's partial row (slot: the cluster's index), this block's slice of it.

@@ -66,19 +66,22 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   p.row_on_chip = plan.row_on_chip;
   p.staged_weight = plan.slice_params;
   with_row_kernel<BackwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+    // The blocks whose partial rows become one: a row's cluster on the shared-memory path, else (the register path,
+    // blocks that hold whole rows) a cluster of partial_cluster where the device has them.
+    p.partial_cluster = partial_cluster_blocks(plan, limits, a.dweight.defined() || a.dbias.defined(), sizeof(acc_t));
+    const int cluster = plan.cluster_blocks > 1 ? plan.cluster_blocks : p.partial_cluster;
     size_t smem = 0;
     if (plan.shared_row()) {  // a cluster per row, as many as the device holds at once
       smem = space.layout(plan.slice_vectors, plan.vec, plan.slice_params, plan.row_on_chip).total;
-      size_shared_row_grid(kernel, plan, a.rows, smem, limits);
-    } else {  // row reductions, then (several rows a block) the block's partial rows added on chip
-      smem = std::max(plan.smem_bytes<acc_t>(),
-                      plan.rows_per_block > 1 ? plan.rows_per_block * a.cols * sizeof(acc_t) : size_t{0});
-      limit_to_one_wave(plan, limits,
-                        dev::resident_blocks_per_sm(kernel, plan.block_threads(), smem, limits.max_threads_per_sm));
+    } else {  // row reductions, then the partial rows of a block's rows (and of a cluster's blocks) added on chip
+      smem =
+          std::max(plan.smem_bytes<acc_t>(),
+                   plan.rows_per_block > 1 || cluster > 1 ? plan.rows_per_block * a.cols * sizeof(acc_t) : size_t{0});
     }
-    // One partial row per block (the shared-memory path: per cluster) and gradient; the multi-pass kernel
-    // accumulates into them, so they start at zero.
-    const int64_t partial_rows = plan.shared_row() ? plan.blocks / plan.cluster_blocks : plan.blocks;
+    size_cluster_grid(kernel, plan, ceil_div(plan.blocks, p.partial_cluster), smem, limits, cluster);
+    // One partial row per cluster (a block without one) and gradient; the multi-pass kernel accumulates into them,
+    // so they start at zero.
+    const int64_t partial_rows = plan.blocks / cluster;
     const auto partial_options = a.x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     auto partial = [&](const at::Tensor& grad) {
       if (!grad.defined()) return at::Tensor();
@@ -88,11 +91,7 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
     const at::Tensor partial_dweight = partial(a.dweight), partial_dbias = partial(a.dbias);
     p.partial_dweight = mutable_data_or_null<acc_t>(partial_dweight);
     p.partial_dbias = mutable_data_or_null<acc_t>(partial_dbias);
-    if (plan.shared_row()) {
-      launch_shared_rows(kernel, plan, smem, stream, p);
-    } else {
-      dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
-    }
+    launch_in_clusters(kernel, cluster, plan, smem, stream, p);
     if (a.dweight.defined() || a.dbias.defined()) launch_reduce_partials<acc_t, W>(p, a, partial_rows, stream);
   });
 }

@@ -52,8 +52,8 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
                               .layout(plan.slice_vectors, plan.vec, plan.slice_params)
                               .total;
-      size_shared_row_grid(kernel, plan, a.rows, smem, limits);
-      launch_shared_rows(kernel, plan, smem, stream, p);
+      size_cluster_grid(kernel, plan, a.rows, smem, limits, plan.cluster_blocks);
+      launch_in_clusters(kernel, plan.cluster_blocks, plan, smem, stream, p);
       return;
     }
     size_t smem = scratch;

@@ -94,27 +94,28 @@ void with_row_kernel(NormKind kind, const RowPlan& plan, F&& f) {
 inline dev::Dim3 grid_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.blocks)}; }
 inline dev::Dim3 block_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.block_threads())}; }
 
-// The shared-memory path's grid: as many clusters (or blocks) of `smem` bytes each as the device holds at once, by
-// the occupancy API, each walking rows (limit_to_resident_clusters).
+// A grid of whole clusters of `cluster` blocks (1: blocks) of `smem` bytes each, as many as the device holds at once
+// by the occupancy API and `units` give work to (limit_to_resident_clusters).
 template <typename Kernel>
-void size_shared_row_grid(Kernel kernel, RowPlan& plan, int64_t rows, size_t smem, const DeviceLimits& limits) {
+void size_cluster_grid(Kernel kernel, RowPlan& plan, int64_t units, size_t smem, const DeviceLimits& limits,
+                       int cluster) {
   const int threads = plan.block_threads();
   dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
   const int64_t resident =
-      plan.cluster_blocks == 1
-          ? int64_t{limits.num_sms} * dev::resident_blocks_per_sm(kernel, threads, smem, limits.max_threads_per_sm)
-          : dev::resident_clusters(kernel, plan.cluster_blocks, threads, smem, limits.num_sms,
-                                   limits.max_threads_per_sm);
-  limit_to_resident_clusters(plan, rows, resident);
+      cluster == 1 ? int64_t{limits.num_sms} *
+                         std::max(1, dev::resident_blocks_per_sm(kernel, threads, smem, limits.max_threads_per_sm))
+                   : dev::resident_clusters(kernel, cluster, threads, smem, limits.num_sms, limits.max_threads_per_sm);
+  limit_to_resident_clusters(plan, units, resident, cluster);
 }
 
-// Launches the shared-memory path's kernel as sized by size_shared_row_grid.
+// Launches a row kernel in clusters of `cluster` blocks (1: a plain launch).
 template <typename Kernel, typename Params>
-void launch_shared_rows(Kernel kernel, const RowPlan& plan, size_t smem, dev::Stream stream, const Params& p) {
-  if (plan.cluster_blocks == 1) {
+void launch_in_clusters(Kernel kernel, int cluster, const RowPlan& plan, size_t smem, dev::Stream stream,
+                        const Params& p) {
+  if (cluster == 1) {
     dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
   } else {
-    dev::launch_clusters(kernel, plan.cluster_blocks, grid_of(plan), block_of(plan), smem, stream, p);
+    dev::launch_clusters(kernel, cluster, grid_of(plan), block_of(plan), smem, stream, p);
   }
 }
 

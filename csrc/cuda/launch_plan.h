@@ -211,12 +211,32 @@ inline void limit_to_one_wave(RowPlan& p, const DeviceLimits& d, int blocks_per_
   p.blocks = std::max<int64_t>(1, std::min(p.blocks, int64_t{d.num_sms} * std::max(1, blocks_per_sm)));
 }
 
-// The shared-memory path's grid: a cluster of cluster_blocks per row, as many clusters as the device holds at once
-// (`resident_clusters`, from the occupancy API), each walking rows.
-inline void limit_to_resident_clusters(RowPlan& p, int64_t rows, int64_t resident_clusters) {
+// A grid of whole clusters of `cluster` blocks, as many as the device holds at once (`resident_clusters`, from the
+// occupancy API) and `units` give work to, each walking its units: the shared-memory path's rows (a cluster of
+// cluster_blocks per row), the backward's rows or tiles of rows in clusters of partial_cluster_blocks.
+inline void limit_to_resident_clusters(RowPlan& p, int64_t units, int64_t resident_clusters, int cluster) {
   const int64_t clusters =
-      std::max<int64_t>(1, std::min({rows, resident_clusters, (int64_t{1} << 30) / kMaxClusterBlocks}));
-  p.blocks = clusters * p.cluster_blocks;
+      std::max<int64_t>(1, std::min({units, resident_clusters, (int64_t{1} << 30) / kMaxClusterBlocks}));
+  p.blocks = clusters * cluster;
+}
+
+// Whether the backward adds its blocks' partial rows over clusters (partial_cluster_blocks) for sums of
+// `acc_bytes`: not float64's, whose register kernels have no registers left for it (ptxas spills) and whose rows
+// are bound by their arithmetic rather than by the partial rows.
+constexpr bool partial_clusters_for(int acc_bytes) { return acc_bytes == 4; }
+
+// The backward's blocks whose partial rows are added on chip into one (a thread-block cluster, so the reduce reads
+// that many times fewer rows), on the register path and on the shared-memory path where a block holds whole rows:
+// the largest power of two up to kPortableClusterBlocks (no opt-in) that the device's clusters allow and the rows
+// fill (`p.blocks` before the grid is capped at one wave); 1 without clusters, or without parameter gradients to sum,
+// or with float64 sums (partial_clusters_for).
+inline int partial_cluster_blocks(const RowPlan& p, const DeviceLimits& d, bool grads, int acc_bytes) {
+  if (!grads || !partial_clusters_for(acc_bytes)) return 1;
+  if (p.multipass() || p.cluster_blocks > 1) return 1;  // those add their partial sums otherwise
+  const int64_t most = std::min<int64_t>({kPortableClusterBlocks, d.max_cluster_blocks, p.blocks});
+  int cluster = 1;
+  while (cluster * 2 <= most) cluster *= 2;
+  return cluster;
 }
 
 }  // namespace torch_ln

@@ -41,6 +41,14 @@ struct SharedVectors {
   }
 };
 
+// Vector c of block `rank`'s copy of `sums` in its cluster (distributed shared memory).
+template <typename E, int VEC, typename acc_t>
+TLN_DEVICE void load_from_rank(const SharedVectors<E, VEC>& sums, unsigned rank, int64_t c, acc_t (&out)[VEC]) {
+  using Piece = typename SharedVectors<E, VEC>::Piece;
+  const SharedVectors<E, VEC> remote{const_cast<Piece*>(dev::cluster_shared(sums.pieces, rank)), sums.count};
+  remote.load(c, out);
+}
+
 // This block's slice of a row staged over a cluster of `cluster` blocks of `slice_vectors` vectors each: its first
 // vector in the row and how many it holds (the last slice may be shorter; the planner's smallest cluster leaves
 // none empty, where one would loop zero times).

@@ -53,7 +53,7 @@ def test_traffic(op, mode, dtype, cols):
         assert launch["bank_conflicts"] == 0, launch["kernel"]
     elem = dtype.itemsize
     plan = kernel_model.ops().plan(mode, ROWS, cols, elem, True, 0, kernel_model.parameter_count(op))
-    items, blocks, cluster = plan[1], plan[4], plan[5]
+    items, blocks, cluster, partial_cluster = plan[1], plan[4], plan[5], plan[9]
     if items == 0 and cluster == 0:
         return  # the multi-pass paths re-read rows by design (issue 10); the model reports by how much
     launch = log[0]
@@ -66,9 +66,9 @@ def test_traffic(op, mode, dtype, cols):
         assert launch["store_bytes"] == row_bytes + ROWS * 4 * stats
     else:
         assert regions["dy"][0] == row_bytes, "dy is read more than once"
-        # Stores: dx, then the partial-sum allowance: a float32 partial row per block (the shared-memory path: per
-        # cluster) and parameter gradient.
-        slots = blocks // max(1, cluster)
+        # Stores: dx, then the partial-sum allowance: a float32 partial row per block (per cluster: the
+        # shared-memory path's, the register path's partial_cluster) and parameter gradient.
+        slots = blocks // max(1, cluster, partial_cluster)
         assert launch["store_bytes"] == row_bytes + slots * cols * 4 * kernel_model.parameter_count(op)
 
 
