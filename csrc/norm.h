@@ -46,10 +46,14 @@ struct BackwardArgs {
   RoundingOptions rounding = {};
 };
 
-// The kernels one backend provides.
+// A contiguous tensor of `sizes` (at::empty).
+at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// The kernels one backend provides, and how it allocates the outputs shaped like the input (y, residual_out, dx).
 struct NormKernels {
   void (*forward)(NormKind, const ForwardArgs&);
   void (*backward)(NormKind, const BackwardArgs&);
+  at::Tensor (*empty_rows)(at::IntArrayRef sizes, const at::TensorOptions& options) = &empty_contiguous;
 };
 
 // Registers the operator schemas into `m` (the torch_ln library, or the

@@ -131,6 +131,10 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t) {
 
 at::Tensor unrequested_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
 
+at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::empty(sizes, options.memory_format(at::MemoryFormat::Contiguous));
+}
+
 void define_norm_schemas(torch::Library& m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   m.def(

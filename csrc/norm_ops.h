@@ -77,14 +77,14 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
     check_like(op, "residual", add->residual, "input", input, input.scalar_type(), stream);
     // A residual of the input's dtype under a wider stream is converted first: the kernels read one stream dtype.
     residual = add->residual.to(stream).contiguous();
-    residual_out = at::empty(input.sizes(), input.options().dtype(stream).memory_format(at::MemoryFormat::Contiguous));
+    residual_out = Backend::kernels.empty_rows(input.sizes(), input.options().dtype(stream));
   }
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   ForwardArgs a{input.contiguous(),
                 contiguous_or_undefined(weight),
                 contiguous_or_undefined(bias),
                 eps,
-                at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous)),
+                Backend::kernels.empty_rows(input.sizes(), input.options()),
                 kind == NormKind::LayerNorm ? at::empty({s.rows}, stat_opts) : at::Tensor(),
                 at::empty({s.rows}, stat_opts),
                 s.rows,
@@ -133,7 +133,7 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                  s.cols,
                  output_mask[0] ? contiguous_or_undefined(grad_residual_out) : at::Tensor(),
                  rounding};
-  if (output_mask[0]) a.dx = at::empty(input.sizes(), input.options().memory_format(at::MemoryFormat::Contiguous));
+  if (output_mask[0]) a.dx = Backend::kernels.empty_rows(input.sizes(), input.options());
   const bool want_dweight = output_mask[1] && weight.has_value();
   const bool want_dbias = output_mask[2] && bias.has_value();
   if (want_dweight) a.dweight = at::empty_like(a.weight);

@@ -29,7 +29,7 @@ from torch_ln.modules import (
     register_norm,
     replace_norms,
 )
-from torch_ln.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from torch_ln.ops import add_layer_norm, add_rms_norm, empty_output_cache, layer_norm, output_cache_bytes, rms_norm
 
 
 class _RegisterShardingAfterDTensorLoads(importlib.abc.MetaPathFinder):
@@ -64,9 +64,11 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "cmake_prefix_path",
+    "empty_output_cache",
     "forward_converter",
     "integrations",
     "layer_norm",
+    "output_cache_bytes",
     "register_norm",
     "replace_norms",
     "rms_norm",

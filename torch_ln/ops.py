@@ -12,7 +12,7 @@ from torch import Tensor
 
 from torch_ln import _transforms, reference
 
-__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm"]
+__all__ = ["add_layer_norm", "add_rms_norm", "empty_output_cache", "layer_norm", "output_cache_bytes", "rms_norm"]
 
 _ops = torch.ops.torch_ln
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
@@ -137,6 +137,17 @@ def add_rms_norm(
         return _EAGER["add_rms_norm"]._op(*args)
     y, residual_out, _ = _ops.add_rms_norm_fwd.default(*args)
     return y, residual_out
+
+
+def empty_output_cache() -> int:
+    """Returns the CPU outputs that torch_ln keeps for reuse (freed y, residual_out and dx of 1 MiB or more, up to
+    TORCH_LN_OUTPUT_CACHE_MB, default 256) to the system allocator, and the number of bytes they held."""
+    return torch.ops.torch_ln.empty_output_cache()
+
+
+def output_cache_bytes() -> int:
+    """The bytes of freed CPU outputs that torch_ln keeps for reuse now (see empty_output_cache)."""
+    return torch.ops.torch_ln.output_cache_bytes()
 
 
 # Fake kernels: shapes and dtypes only, for torch.compile and torch.export.

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
@@ -267,6 +268,46 @@ void with_flag(bool flag, const F& f) {
   flag ? f(std::true_type{}) : f(std::false_type{});
 }
 
+// LayerNorm rows up to this size (as acc_t) get their statistics in two passes (the mean, then the variance
+// around it), the second from cache; longer ones in one read (row_moments, cascaded Welford), so the forward reads
+// memory twice in all, not three times: up to half a core's L2 (the row must survive the output stream between
+// passes). Half/bfloat16 rows up to NormCpu::kConvertOnceRowBytes are converted once, into a per-thread acc_t row that
+// the later passes read.
+// Measured on the 2-core dev VM, float32 forward, 8 MiB of input, default malloc, against torch:
+// D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
+// and merges cost more than loads from L1/L2); bfloat16, single thread, 1 MiB: D=4096/8192 0.89x/~1.0x with one
+// read, 1.4x/1.35x converted once (a 4 KiB stack buffer limited that to 1024 elements before). The same limit holds
+// after a residual add (whose row is kept as acc_t), so that the fused ops' statistics are bitwise those of the
+// plain norm of residual_out.
+constexpr int64_t kTwoPassRowBytes = 512 * 1024;
+
+// What a thread keeps in a ThreadRow: the row being normalized (InputRow::kept), the weight and the bias as acc_t.
+enum class RowUse { kKept, kWeight, kBias };
+
+// A per-thread row of n acc_t values, uninitialized, for one RowUse. Rows up to kTwoPassRowBytes reuse one buffer per
+// thread and use for the life of the thread: allocating (and zero-filling) one per call cost more than a call of a
+// few long rows (bfloat16 forward, 4 rows of 131072, converted once then, in a fresh process with default malloc:
+// 0.61 ms against torch's 0.16, each call's 512 KiB row mapped anew and faulted in). Longer rows get one for the call.
+template <typename A, RowUse kUse>
+class ThreadRow {
+ public:
+  explicit ThreadRow(int64_t n) {
+    if (n == 0) return;  // no row kept
+    if (n * static_cast<int64_t>(sizeof(A)) <= kTwoPassRowBytes) {
+      static thread_local const std::unique_ptr<A[]> reused(new A[kTwoPassRowBytes / sizeof(A)]);
+      data_ = reused.get();
+    } else {
+      owned_.reset(new A[n]);
+      data_ = owned_.get();
+    }
+  }
+  A* data() const { return data_; }
+
+ private:
+  std::unique_ptr<A[]> owned_;
+  A* data_ = nullptr;
+};
+
 template <NormKind K, typename Types>
 struct NormCpu {
   using T = typename Types::input_t;
@@ -276,21 +317,14 @@ struct NormCpu {
   using VA = Vectorized<A>;
   static constexpr bool kCentered = K == NormKind::LayerNorm;  // RMSNorm: mean fixed at 0
 
-  // LayerNorm rows up to this size (as acc_t) get their statistics in two passes (the mean, then the variance
-  // around it), the second from cache; longer ones in one read (row_moments, cascaded Welford), so the forward reads
-  // memory twice in all, not three times: up to half a core's L2 (the row must survive the output stream between
-  // passes). Half/bfloat16 rows are converted once, into a per-thread acc_t row that the later passes read.
-  // Measured on the 2-core dev VM, float32 forward, 8 MiB of input, default malloc, against torch:
-  // D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
-  // and merges cost more than loads from L1/L2); bfloat16, single thread, 1 MiB: D=4096/8192 0.89x/~1.0x with one
-  // read, 1.4x/1.35x converted once (a 4 KiB stack buffer limited that to 1024 elements before). The same limit holds
-  // after a residual add (whose row is kept as acc_t), so that the fused ops' statistics are bitwise those of the
-  // plain norm of residual_out.
-  static constexpr int64_t kTwoPassRowBytes = 512 * 1024;
-  // Whether the forward converts a row once into InputRow::kept: half/bfloat16 rows without a residual, up to
-  // kTwoPassRowBytes.
+  // Whether the forward converts a row once into InputRow::kept, which its later passes read: half/bfloat16 rows
+  // without a residual, up to kConvertOnceRowBytes as acc_t. Longer rows are read (and converted) in each pass: the
+  // converted row would double their footprint in a core's L2. Measured on the 2-core dev VM, bfloat16 forward, one
+  // thread, 1 MiB of input, ms converted once / in each pass: D=1024 0.20/0.28, 4096 0.25/0.29, 16384 0.22/0.25,
+  // 32768 0.22-0.24/0.24, 65536 0.28/0.25, 131072 0.31/0.20.
+  static constexpr int64_t kConvertOnceRowBytes = 128 * 1024;
   static constexpr bool converts_once(bool has_residual, int64_t D) {
-    return !std::is_same_v<R, A> && !has_residual && D * static_cast<int64_t>(sizeof(A)) <= kTwoPassRowBytes;
+    return !std::is_same_v<R, A> && !has_residual && D * static_cast<int64_t>(sizeof(A)) <= kConvertOnceRowBytes;
   }
 
   // Rows per parallel task: about kGrainElements elements.
@@ -308,6 +342,24 @@ struct NormCpu {
     if (!param.defined()) return param;
     const at::Tensor converted = param.to(c10::CppTypeToScalarType<A>::value).contiguous();
     return offset == 0 ? converted : converted.add(offset);  // the offset added in acc_t, as Gemma adds its 1
+  }
+
+  // Whether param_as_acc converts a parameter (into a row of the thread's) rather than reading it in place.
+  static bool converts_param(double offset) { return !std::is_same_v<W, A> || offset != 0; }
+
+  // A (contiguous) parameter as acc_t, the offset added in acc_t as in as_acc: in place where converts_param says
+  // so, else converted into `row`. Each forward thread converts its own copy: at a few long rows, converting once
+  // per call (as_acc: two more parallel regions and allocations) cost more than the copies (bfloat16, 4 rows of
+  // 131072, 2 threads: 0.15 ms against 0.10 ms with float32 parameters, torch 0.12).
+  static const A* param_as_acc(const at::Tensor& param, double offset, A* row) {
+    if (!converts_param(offset)) return param.const_data_ptr<A>();
+    const int64_t n = param.numel();
+    at::vec::convert(param.const_data_ptr<W>(), row, n);
+    if (offset != 0) {
+      const A added = static_cast<A>(offset);
+      for (const auto j : c10::irange(n)) row[j] += added;
+    }
+    return row;
   }
 
   // Rounds v to the input dtype and back when `round` (Llama-style rounding); nothing to do when that is acc_t. In
@@ -399,15 +451,16 @@ struct NormCpu {
     const R* residual = HasRes ? a.residual.const_data_ptr<R>() : nullptr;
     R* h = HasRes ? a.residual_out.mutable_data_ptr<R>() : nullptr;
     T* y = a.y.mutable_data_ptr<T>();
-    const at::Tensor weight = as_acc(a.weight, a.rounding.weight_offset), bias = as_acc(a.bias);
-    const A* w = HasW ? weight.const_data_ptr<A>() : nullptr;
-    const A* b = HasB ? bias.const_data_ptr<A>() : nullptr;
     A* mean = kCentered ? a.mean.mutable_data_ptr<A>() : nullptr;
     A* rstd = a.rstd.mutable_data_ptr<A>();
     const A eps = static_cast<A>(a.eps);
     const bool streaming = use_streaming_stores(a.y.nbytes()), round = a.rounding.round_normalized;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
-      std::vector<A> kept(HasRes || converts_once(HasRes, D) ? D : 0);
+      const ThreadRow<A, RowUse::kKept> kept(HasRes || converts_once(HasRes, D) ? D : 0);
+      const ThreadRow<A, RowUse::kWeight> weight_row(HasW && converts_param(a.rounding.weight_offset) ? D : 0);
+      const ThreadRow<A, RowUse::kBias> bias_row(HasB && converts_param(0) ? D : 0);
+      const A* w = HasW ? param_as_acc(a.weight, a.rounding.weight_offset, weight_row.data()) : nullptr;
+      const A* b = HasB ? param_as_acc(a.bias, 0, bias_row.data()) : nullptr;
       for (const auto r : c10::irange(begin, end)) {
         const InputRow<HasRes> in{x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr,
                                   kept.data(), streaming};
@@ -500,15 +553,12 @@ struct NormCpu {
                                            A* mean_out, A& rstd_out, bool streaming, bool round) {
     // The first pass over a row reads it through in.load_first; the later ones through `reload`: in.load, or for
     // converts_once rows, in.kept, which the first pass fills, so that each element is converted to acc_t once.
-    constexpr bool kConvertOnce = !std::is_same_v<R, A> && !HasRes;  // converts_once rows of this type, if short
     A* converted = in.kept;
     const auto load = [&](int64_t j, int64_t c) { return in.load(j, c); };
     const auto normalize_reading = [&](const auto& reload, bool fill_converted) {
       const auto first_pass = [&](int64_t j, int64_t c) {
         const Group<A> v = in.load_first(j, c);
-        if constexpr (kConvertOnce) {
-          if (fill_converted) store_group<A>(converted + j, v, c);
-        }
+        if (fill_converted) store_group<A>(converted + j, v, c);
         return v;
       };
       A mean = 0, sum_sq = 0;
@@ -539,7 +589,7 @@ struct NormCpu {
         return;
       }
       normalize_reading(load, false);  // RMSNorm: one statistics pass at any length
-    } else if constexpr (kConvertOnce) {
+    } else if (converts_once(HasRes, D)) {
       normalize_reading([&](int64_t j, int64_t c) { return load_group<A>(converted + j, c); }, true);
     } else {
       normalize_reading(load, false);

@@ -99,4 +99,10 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(
     at::IntArrayRef normalized_shape, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
     std::array<bool, 2> output_mask);
 
+// The CPU output cache: freed CPU outputs (y, residual_out, dx) of 1 MiB or more, kept for the next call of the same
+// size (up to TORCH_LN_OUTPUT_CACHE_MB, default 256; 0 turns it off). empty_output_cache returns them to the system
+// allocator and the bytes they held; output_cache_bytes is the bytes held now.
+TORCH_LN_API int64_t empty_output_cache();
+TORCH_LN_API int64_t output_cache_bytes();
+
 }  // namespace torch_ln
