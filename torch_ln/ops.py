@@ -142,12 +142,12 @@ def add_rms_norm(
 def empty_output_cache() -> int:
     """Returns the CPU outputs that torch_ln keeps for reuse (freed y, residual_out and dx of 1 MiB or more, up to
     TORCH_LN_OUTPUT_CACHE_MB, default 256) to the system allocator, and the number of bytes they held."""
-    return torch.ops.torch_ln.empty_output_cache()
+    return _ops.empty_output_cache()
 
 
 def output_cache_bytes() -> int:
     """The bytes of freed CPU outputs that torch_ln keeps for reuse now (see empty_output_cache)."""
-    return torch.ops.torch_ln.output_cache_bytes()
+    return _ops.output_cache_bytes()
 
 
 # Fake kernels: shapes and dtypes only, for torch.compile and torch.export.
