@@ -344,14 +344,6 @@ struct NormCpu {
     return v;
   }
 
-  // A parameter as a contiguous acc_t tensor (itself when it already is one), so that the row loops never convert
-  // it: once per call rather than once per row. Undefined stays undefined.
-  static at::Tensor as_acc(const at::Tensor& param, double offset = 0) {
-    if (!param.defined()) return param;
-    const at::Tensor converted = param.to(c10::CppTypeToScalarType<A>::value).contiguous();
-    return offset == 0 ? converted : converted.add(offset);  // the offset added in acc_t, as Gemma adds its 1
-  }
-
   // Whether param_as_acc converts a parameter (into a row of the thread's) rather than reading it in place.
   static bool converts_param(double offset) { return !std::is_same_v<W, A> || offset != 0; }
 
@@ -367,6 +359,15 @@ struct NormCpu {
       const A added = static_cast<A>(offset);
       for (const auto j : c10::irange(n)) row[j] += added;
     }
+    return row;
+  }
+
+  // A parameter as a contiguous acc_t tensor (itself when it already is one), converted as param_as_acc does, so
+  // that the backward's row loops never convert it: once per call rather than once per row. Undefined stays undefined.
+  static at::Tensor as_acc(const at::Tensor& param, double offset = 0) {
+    if (!param.defined() || !converts_param(offset)) return param;
+    at::Tensor row = at::empty({param.numel()}, param.options().dtype(c10::CppTypeToScalarType<A>::value));
+    param_as_acc(param, offset, row.mutable_data_ptr<A>());
     return row;
   }
 
