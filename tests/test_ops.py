@@ -344,6 +344,8 @@ def test_batch_invariance(norm, d, dtype, device):
     grad_row = torch.randn(1, d, device=device).to(dtype)
     weight, bias = make_params(norm, (d,), True, norm.has_bias, dtype, device)
     alone = _all_outputs(norm, row, weight, bias, grad_row, (d,))
+    # On the CPU, forward tasks of up to 8 rows widen bfloat16 parameters as they read them, larger ones convert them
+    # into float rows first (kWidenParamRows in csrc/cpu/norm_cpu.cpp): 1, 2 and 7 rows against 64 and 1031.
     for batch in (2, 7, 64, 1031):
         for position in sorted({0, batch // 2, batch - 1}):
             x = torch.randn(batch, d, device=device).to(dtype)
