@@ -358,10 +358,10 @@ struct NormCpu {
     return !std::is_same_v<W, A> && offset == 0 && task_rows <= kWidenParamRows;
   }
 
-  // A (contiguous) parameter as acc_t, the offset added in acc_t as in as_acc: in place where converts_param says
-  // so, else converted into `row`. Each forward thread converts its own copy: at a few long rows, converting once
-  // per call (as_acc: two more parallel regions and allocations) cost more than the copies (bfloat16, 4 rows of
-  // 131072, 2 threads: 0.15 ms against 0.10 ms with float32 parameters, torch 0.12).
+  // A (contiguous) parameter as acc_t, the offset added in acc_t (Gemma's 1 + weight): in place where converts_param
+  // says so, else converted into `row`. Forward tasks of more than kWidenParamRows rows convert their own copy per
+  // thread (converting once per call through as_acc cost two more parallel regions and allocations); the backward
+  // converts once per call (as_acc).
   static const A* param_as_acc(const at::Tensor& param, double offset, A* row) {
     if (!converts_param(offset)) return param.const_data_ptr<A>();
     const int64_t n = param.numel();
