@@ -163,8 +163,8 @@ def scaled_traffic(op: str, mode: str, D: int, M: int, dtype: torch.dtype, plan:
     o = ops()
     rpb, threads = plan["rows_per_block"], plan["block_threads"]
     o.set_l2_model(H200.l2_bytes, concurrent_blocks)
-    cluster = max(1, plan["cluster"], plan["partial_cluster"])
-    rpb *= plan["partial_cluster"]  # the register backward picks its cluster only where the rows fill one
+    cluster = max(1, plan["cluster"]) * plan["partial_cluster"]  # a launch's cluster: groups of a row's blocks
+    rpb *= plan["partial_cluster"]  # the backward groups its blocks (rows' clusters) only where the rows fill them
     if not one_wave(mode, plan):
         runs = [(rpb, 1 << 20), (2 * rpb, 1 << 20)]  # (rows, SMs): uncapped grid, blocks = rows / rpb
         regress = [lambda r, b: [1.0, r]] * 2
@@ -246,7 +246,7 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         # The shared-memory path keeps the row on chip, or (the backward's longest rows) reads it twice.
         "path": "registers" if items > 0 else ("shared" if row_on_chip else "reread") if cluster > 0 else "multipass",
         "cluster": cluster,
-        "partial_cluster": partial_cluster,  # the register backward's blocks whose partial rows become one
+        "partial_cluster": partial_cluster,  # the backward's groups (blocks, rows' clusters) of one partial row
         "shared_smem": shared_smem,
         "slice_params": bool(slice_params),
     }
@@ -311,7 +311,7 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
 
 def table(records: list[dict]) -> str:
     head = (
-        f"{'op':<10} {'mode':<4} {'dtype':<8} {'D':>6} {'M':>7} {'path':<9} {'blk thr':>7} {'occ':>5} {'regs':>4} "
+        f"{'op':<10} {'mode':<4} {'dtype':<8} {'D':>6} {'M':>7} {'path':<10} {'blk thr':>7} {'occ':>5} {'regs':>4} "
         f"{'spill':>5} {'req/ideal':>9} {'dram/ideal':>10} {'sect eff':>8} {'pred us':>8} {'% copy':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -320,8 +320,10 @@ def table(records: list[dict]) -> str:
         path = p["path"]
         if p.get("cluster", 0) > 1:
             path = f"{'cluster' if path == 'shared' else path}{p['cluster']}"
+            if p["partial_cluster"] > 1:  # launched in clusters of that many rows' clusters
+                path += f"x{p['partial_cluster']}"
         lines.append(
-            f"{r['op']:<10} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>7} {path:<9} "
+            f"{r['op']:<10} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>7} {path:<10} "
             f"{p['block_threads']:>7} {r['occupancy']:>5.2f} {r['registers']:>4} {r['spill_bytes']:>5} "
             f"{r['requested_bytes'] / r['ideal_bytes']:>9.2f} {r['dram_bytes'] / r['ideal_bytes']:>10.2f} "
             f"{r['sector_efficiency']:>8.3f} {r['predicted_us']:>8.1f} {100 * r['predicted_fraction_of_copy']:>5.0f}%"

@@ -91,18 +91,18 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t, R>& p, int64_t row, i
   store_vec<VEC>(p.dx + row * p.cols, i, dx);
 }
 
-// The partial rows of a thread-block cluster's blocks, added in rank order through distributed shared memory into
-// one: `load(rank, c, v)` reads vector c of block `rank`'s row. Block `rank` writes the vectors rank x threads +
-// thread, strided by the cluster's threads.
+// The partial rows of `groups` groups of a thread-block cluster, added in group order through distributed shared
+// memory into one: `load(g, c, v)` reads vector c of group g's row (of its part of the row). This block is of group
+// `group`: it writes the vectors group x threads + thread, strided by the groups' threads.
 template <int VEC, typename acc_t, typename Load>
-TLN_DEVICE void store_cluster_partial(acc_t* partial, int64_t nvec, int cluster, const Load& load) {
+TLN_DEVICE void store_cluster_partial(acc_t* partial, int64_t nvec, int group, int groups, const Load& load) {
   dev::cluster_sync();  // every block's row on chip
   const int64_t threads = dev::block_dim_x();
-  for (int64_t c = dev::cluster_rank() * threads + dev::thread_x(); c < nvec; c += cluster * threads) {
+  for (int64_t c = group * threads + dev::thread_x(); c < nvec; c += groups * threads) {
     acc_t total[VEC] = {};
-    for (int rank = 0; rank < cluster; ++rank) {
+    for (int g = 0; g < groups; ++g) {
       acc_t v[VEC];
-      load(rank, c, v);
+      load(g, c, v);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) total[j] += v[j];
     }
@@ -149,7 +149,7 @@ TLN_DEVICE void store_block_partial(acc_t* partial, const acc_t (&sums)[ITEMS][V
   }
   if constexpr (partial_clusters_for(sizeof(acc_t))) {
     if (cluster > 1) {  // each block's row in planes 0..VEC-1
-      store_cluster_partial<VEC>(partial, nvec, cluster, [&](int rank, int64_t c, acc_t(&v)[VEC]) {
+      store_cluster_partial<VEC>(partial, nvec, dev::cluster_rank(), cluster, [&](int rank, int64_t c, acc_t(&v)[VEC]) {
         const acc_t* remote = dev::cluster_shared(smem, rank);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) v[j] = dev::load_shared(&remote[j * nvec + c]);
@@ -312,9 +312,11 @@ TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, 
 // adds the row sums' terms and, to the gradient sums it keeps in shared memory (acc_t) for the whole walk, dy * xhat
 // and dy. The row sums go through the cluster in rank order (ClusterSum2); dx is written once, from the slice on
 // chip, or (rows too long for a cluster's shared memory) from a second read of it, mostly from L2: the one extra
-// read. At the end each block writes its slice of its cluster's partial row, once, for reduce_partials_kernel (blocks
-// that hold whole rows add theirs over a cluster of p.partial_cluster first). A
-// thread touches only the vectors c = thread, thread + threads, ... of the slice, so only the row sums need barriers.
+// read. At the end each block writes its slice of its cluster's partial row, once, for reduce_partials_kernel. Where
+// p.partial_cluster > 1 the launch's thread-block clusters hold that many groups of p.cluster_blocks blocks (of one
+// block where a block holds whole rows), each group walking its own rows, and the groups' sums are added in group
+// order first (store_cluster_partial), so a cluster writes one partial row. A thread touches only the vectors
+// c = thread, thread + threads, ... of the slice, so only the row sums need barriers.
 // The weight slice is copied on chip once where p.staged_weight, read per row from global memory (L2) otherwise.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel(BackwardParams<T, W, acc_t, R> p) {
@@ -335,7 +337,10 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   const SharedVectors<acc_t, VEC> dbias_sums =
       vectors(acc_t{}, layout.grads + (dweight ? SharedRowLayout::round16(dweight_sums.bytes(p.slice_vectors)) : 0));
   acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
-  const int cluster = p.cluster_blocks;
+  const int cluster = p.cluster_blocks;  // blocks a row is split over (a group)
+  int groups = 1;
+  if constexpr (partial_clusters_for(sizeof(acc_t))) groups = p.partial_cluster;
+  const int group = groups > 1 ? static_cast<int>(dev::cluster_rank()) / cluster : 0;
   const int threads = dev::block_dim_x();
   const RowSlice mine = row_slice(p.cols / VEC, p.slice_vectors, cluster);
   const int64_t first = mine.first, count = mine.count;  // of the row, in vectors
@@ -346,26 +351,32 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     if (dweight) dweight_sums.store(c, zeros);
     if (dbias) dbias_sums.store(c, zeros);
   }
-  ClusterSum2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster};
+  ClusterSum2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster,
+                                  static_cast<unsigned>(group * cluster)};
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
-  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
-    const acc_t mean = p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
-    const acc_t rstd = dev::load_global(&p.rstd[row]);
+  // A cluster's groups walk their rows in lockstep, group g row lead + g (the row sums' barriers are the whole
+  // cluster's): a group past the last row takes the barriers with nothing to add.
+  for (int64_t lead = dev::block_x() / cluster - group; lead < p.rows; lead += dev::grid_dim_x() / cluster) {
+    const int64_t row = lead + group;
+    const bool active = row < p.rows;
+    const int64_t row_count = active ? count : 0;  // vectors of the slice this row loads
+    const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
+    const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
-    for (int64_t base = dev::thread_x(); base < count; base += int64_t{kBackwardSharedUnroll} * threads) {
+    for (int64_t base = dev::thread_x(); base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
       Vec<R, VEC> x_raw[kBackwardSharedUnroll];
       Vec<T, VEC> dy_raw[kBackwardSharedUnroll];
 #pragma unroll
       for (int k = 0; k < kBackwardSharedUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
-        x_raw[k] = load_vec_if<VEC>(c < count, p.x, row_start + c * VEC);
-        dy_raw[k] = load_vec_if<VEC>(c < count, p.dy, row_start + c * VEC);
+        x_raw[k] = load_vec_if<VEC>(c < row_count, p.x, row_start + c * VEC);
+        dy_raw[k] = load_vec_if<VEC>(c < row_count, p.dy, row_start + c * VEC);
       }
 #pragma unroll
       for (int k = 0; k < kBackwardSharedUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
-        if (c >= count) break;
+        if (c >= row_count) break;
         if (p.row_on_chip) {
           x_slice.store(c, x_raw[k]);
           dy_slice.store(c, dy_raw[k]);
@@ -384,7 +395,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       }
     }
     cluster_sum2(sum_g, sum_g_xhat, threads, scratch);
-    if (p.dx == nullptr) continue;
+    if (!active || p.dx == nullptr) continue;
     for (int64_t c = dev::thread_x(); c < count; c += threads) {
       acc_t xhat[VEC], dy[VEC], w[VEC];
       if (p.row_on_chip) {
@@ -400,14 +411,16 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
-  // Blocks that each hold whole rows (no cluster of their own), launched in clusters of p.partial_cluster: the
-  // cluster's gradient sums added in rank order into its one partial row.
+  // The groups' gradient sums added in group order into the cluster's one partial row (slot: the cluster's index),
+  // each block of a group its share of its slice of it.
   if constexpr (partial_clusters_for(sizeof(acc_t))) {
-    if (p.partial_cluster > 1) {
-      const int64_t slot = dev::block_x() / p.partial_cluster;
+    if (groups > 1) {
+      const int64_t slot = dev::block_x() / (cluster * groups);
+      const unsigned slice_rank = dev::cluster_rank() % cluster;
       auto store = [&](const SharedVectors<acc_t, VEC>& sums, acc_t* partial) {
-        store_cluster_partial<VEC>(partial + slot * p.cols, count, p.partial_cluster,
-                                   [&](int rank, int64_t c, acc_t(&v)[VEC]) { load_from_rank(sums, rank, c, v); });
+        store_cluster_partial<VEC>(
+            partial + slot * p.cols + first * VEC, count, group, groups,
+            [&](int g, int64_t c, acc_t(&v)[VEC]) { load_from_rank(sums, g * cluster + slice_rank, c, v); });
       };
       if (dweight) store(dweight_sums, p.partial_dweight);
       if (dbias) store(dbias_sums, p.partial_dbias);

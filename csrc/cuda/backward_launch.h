@@ -66,10 +66,10 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   p.row_on_chip = plan.row_on_chip;
   p.staged_weight = plan.slice_params;
   with_row_kernel<BackwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
-    // The blocks whose partial rows become one: a row's cluster on the shared-memory path, else (the register path,
-    // blocks that hold whole rows) a cluster of partial_cluster where the device has them.
+    // The blocks whose partial rows become one: a cluster of partial_cluster groups (where the device has clusters),
+    // each a block or a row's cluster of the shared-memory path.
     p.partial_cluster = partial_cluster_blocks(plan, limits, a.dweight.defined() || a.dbias.defined(), sizeof(acc_t));
-    const int cluster = plan.cluster_blocks > 1 ? plan.cluster_blocks : p.partial_cluster;
+    const int cluster = std::max(1, plan.cluster_blocks) * p.partial_cluster;
     size_t smem = 0;
     if (plan.shared_row()) {  // a cluster per row, as many as the device holds at once
       smem = space.layout(plan.slice_vectors, plan.vec, plan.slice_params, plan.row_on_chip).total;

@@ -107,8 +107,9 @@ TLN_DEVICE acc_t row_sum(acc_t a, int threads_per_row, acc_t* smem) {
   return a;
 }
 
-// Sums two values over the rows' blocks of a thread-block cluster: each block's totals (row_sum2), then every
-// block adds the blocks' totals in rank order from their shared memory, so all get the bitwise same sums.
+// Sums two values over a row's `blocks` blocks of a thread-block cluster, ranks first_rank.. (the cluster may hold
+// several rows' groups of them): each block's totals (row_sum2), then every block adds the group's totals in rank
+// order from their shared memory, so all get the bitwise same sums.
 // Consecutive reductions alternate between two slots of `partials` (4 values): a slot is rewritten only after the
 // cluster barrier of the reduction in between, which every block passes after it has read the slot. A template of
 // the accumulator alone: the same code serves every kernel instance.
@@ -116,6 +117,7 @@ template <typename acc_t>
 struct ClusterSum2 {
   acc_t* partials;
   int blocks;
+  unsigned first_rank = 0;
   int reductions = 0;
 
   TLN_DEVICE void operator()(acc_t& a, acc_t& b, int threads, acc_t* scratch) {
@@ -129,7 +131,7 @@ struct ClusterSum2 {
     dev::cluster_sync();
     a = b = acc_t(0);
     for (int rank = 0; rank < blocks; ++rank) {
-      const acc_t* remote = dev::cluster_shared(slot, rank);
+      const acc_t* remote = dev::cluster_shared(slot, first_rank + rank);
       a += dev::load_shared(remote);
       b += dev::load_shared(remote + 1);
     }

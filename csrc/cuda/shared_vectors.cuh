@@ -49,15 +49,15 @@ TLN_DEVICE void load_from_rank(const SharedVectors<E, VEC>& sums, unsigned rank,
   remote.load(c, out);
 }
 
-// This block's slice of a row staged over a cluster of `cluster` blocks of `slice_vectors` vectors each: its first
-// vector in the row and how many it holds (the last slice may be shorter; the planner's smallest cluster leaves
-// none empty, where one would loop zero times).
+// This block's slice of a row staged over `cluster` blocks of `slice_vectors` vectors each (consecutive ranks of a
+// thread-block cluster, which may hold several such groups): its first vector in the row and how many it holds (the
+// last slice may be shorter; the planner's smallest cluster leaves none empty, where one would loop zero times).
 struct RowSlice {
   int64_t first, count;
 };
 
 TLN_DEVICE RowSlice row_slice(int64_t row_vectors, int64_t slice_vectors, int cluster) {
-  const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() : 0} * slice_vectors;
+  const int64_t first = int64_t{cluster > 1 ? dev::cluster_rank() % cluster : 0} * slice_vectors;
   const int64_t rest = row_vectors - first;
   return {first, rest < slice_vectors ? rest : slice_vectors};
 }

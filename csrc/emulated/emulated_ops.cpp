@@ -65,7 +65,7 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   const int per_sm = blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads();
   int64_t smem = 0;
   const int partial_cluster = fwd ? 1 : partial_cluster_blocks(p, d, param_rows > 0, acc_bytes);
-  const int cluster = std::max(p.cluster_blocks, partial_cluster);
+  const int cluster = std::max(1, p.cluster_blocks) * partial_cluster;
   if (p.shared_row()) {
     smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.vec, p.slice_params, p.row_on_chip).total);
   }

@@ -16,7 +16,8 @@ Which case covers which path (plans from csrc/cuda/launch_plan.h):
   shared memory reaches them at short rows), and the multi-pass path where even a cluster has no room (the same
   small device without clusters: GPUs before sm_90); every dtype, vectors and scalar: D=16392 and 16411;
   backward multi-pass: D=9000 float32 (> 4 x 512 vectors), D=16384 bfloat16, D=9001 (scalar, > 16 x 512);
-  every dtype, vectors and scalar: D=8200 and 8209
+  every dtype, vectors and scalar: D=8200 and 8209; rows over a cluster launched in clusters of 2-8 such groups
+  (the groups walk rows in lockstep, the last walk partly idle)
 - 16-byte vectors: float32 (4), float16/bfloat16 (8), float64 (2); the scalar path: odd/prime D
   (7, 1021, 9001) and unaligned pointers (a view starting one element in)
 - the weight-gradient partial sums over many slots with many rows each: M=1500 and M=600; there the forward's
@@ -333,11 +334,12 @@ def test_backward_long_rows_no_rows(kind):
     assert db is None or torch.equal(db, torch.zeros_like(bias))
 
 
-def _backward_cluster_device(cols, dtype, cluster, param_dtype, grads):
+def _backward_cluster_device(cols, dtype, cluster, param_dtype, grads, max_cluster=None):
     """A device whose blocks hold 1/cluster of a row of `cols` elements of `dtype` (x and dy), of the weight and of
-    `grads` gradient sums, and no more: the backward splits such rows over a cluster of `cluster` blocks."""
+    `grads` gradient sums, and no more: the backward splits such rows over a cluster of `cluster` blocks. Its
+    clusters have up to `max_cluster` blocks (None: `cluster`, so the rows' clusters are not grouped)."""
     per_elem = 2 * dtype.itemsize + param_dtype.itemsize + grads * _acc_bytes(dtype)
-    return _device(shared=-(-cols // cluster) * per_elem + 1024, cluster=cluster)
+    return _device(shared=-(-cols // cluster) * per_elem + 1024, cluster=max_cluster or cluster)
 
 
 @pytest.mark.parametrize("cluster", [2, 4, 8, 16])
@@ -406,6 +408,49 @@ def test_backward_shared_row_partial_clusters(group, dtype, param_dtype, cols, k
         _, launch = _backward_kernel(kind, x, weight, bias, dy)
     assert "shared" in launch["kernel"] and launch["cluster"] == group
     assert launch["grid"] % group == 0 and launch["grid"] > group
+
+
+@pytest.mark.parametrize(
+    "row_cluster,groups,dtype,param_dtype,rows,cols",
+    [
+        (2, 4, torch.float32, torch.float32, 11, 8200),  # 11 rows, 4 groups: the last walk leaves a group idle
+        (4, 4, torch.bfloat16, torch.float32, 9, 8200),  # a cluster of 16 (sm_90's non-portable); mixed precision
+        (8, 2, torch.float16, torch.float16, 3, 8200),  # 3 rows: the second group takes one, then idles
+        (2, 8, torch.float32, torch.float32, 8, 8209),  # the scalar path (prime D), the last slice shorter
+    ],
+)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_row_cluster_groups(row_cluster, groups, dtype, param_dtype, rows, cols, kind):
+    # Rows split over `row_cluster` blocks, launched in clusters of `groups` such groups (the device's largest
+    # cluster): the groups walk their own rows in lockstep (every row sum's barrier is the whole cluster's), the row
+    # sums go over each group's blocks alone, and the groups' gradient sums are added in group order, so a cluster
+    # writes one partial row. Checked against torch, every gradient.
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    grads = 1 + (kind == "layer")
+    with _backward_cluster_device(cols, dtype, row_cluster, param_dtype, grads, max_cluster=row_cluster * groups):
+        _, launch = _backward_kernel(kind, x, weight, bias, dy)
+    assert "shared" in launch["kernel"] and launch["cluster"] == row_cluster * groups
+    assert launch["grid"] % launch["cluster"] == 0
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_row_cluster_groups_deterministic_and_batch_invariant(kind):
+    # Rows over a cluster of 2 blocks, in clusters of 4 such groups: row 5 alone (one group), in batches of 6 and 13
+    # (the emulated device holds one cluster: its groups walk 2 and 4 rows each, the last walk partly idle), dx
+    # bitwise the same; the batch of 13 again: every output bitwise the same.
+    cols = BACKWARD_LONG_COLS[0]
+    grads = 1 + (kind == "layer")
+    x, weight, bias, dy = _inputs(13, cols, torch.float32, torch.float32, (True, kind == "layer"))
+    with _backward_cluster_device(cols, torch.float32, 2, torch.float32, grads, max_cluster=8):
+        alone, launch = _backward_kernel(kind, x[5:6].clone(), weight, bias, dy[5:6].clone(), check=False)
+        assert launch["cluster"] == 2
+        six, _ = _backward_kernel(kind, x[:6], weight, bias, dy[:6], check=False)
+        thirteen, launch = _backward_kernel(kind, x, weight, bias, dy, check=False)
+        assert launch["cluster"] == launch["grid"] == 8
+        again, _ = _backward_kernel(kind, x, weight, bias, dy, check=False)
+    assert torch.equal(six[1][5], alone[1][0]) and torch.equal(thirteen[1][5], alone[1][0])
+    for a, b in zip(thirteen, again):
+        assert a is None or torch.equal(a, b)
 
 
 def test_backward_float64_without_partial_clusters():

@@ -66,9 +66,9 @@ def test_traffic(op, mode, dtype, cols):
         assert launch["store_bytes"] == row_bytes + ROWS * 4 * stats
     else:
         assert regions["dy"][0] == row_bytes, "dy is read more than once"
-        # Stores: dx, then the partial-sum allowance: a float32 partial row per block (per cluster: the
-        # shared-memory path's, the register path's partial_cluster) and parameter gradient.
-        slots = blocks // max(1, cluster, partial_cluster)
+        # Stores: dx, then the partial-sum allowance: a float32 partial row per block (per cluster: of
+        # partial_cluster groups of a block, or of a row's cluster of the shared-memory path) and parameter gradient.
+        slots = blocks // (max(1, cluster) * partial_cluster)
         assert launch["store_bytes"] == row_bytes + slots * cols * 4 * kernel_model.parameter_count(op)
 
 
