@@ -358,9 +358,9 @@ def test_batch_invariance(norm, d, dtype, device):
                 )
 
 
-# The CPU kernels write y and dx with streaming stores once the output exceeds 1 MiB per thread (csrc/cpu/norm_cpu.cpp,
-# kStreamingBytesPerThread); the other CPU tests are below that size.
-STREAMING_BYTES_PER_THREAD = 2**20
+# The CPU kernels write y and dx with streaming stores once a call's rows (x and y; x, dy and dx) exceed 16 MiB
+# (csrc/cpu/norm_cpu.cpp, kStreamingRowBytes); the other CPU tests are below that size.
+STREAMING_ROW_BYTES = 16 * 2**20
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])  # 4-, 2- and 8-byte stores
@@ -370,7 +370,7 @@ def test_streaming_stores(norm, d, dtype):
     """Outputs large enough for streaming stores: y and dx match torch and the reference, and every row is bitwise
     equal to the same row normalized in a batch too small to stream. (The weight and bias gradients do not go through
     streaming stores; at this M torch's own bfloat16 ones are too far off to be a yardstick.)"""
-    m = math.ceil(2 * STREAMING_BYTES_PER_THREAD * torch.get_num_threads() / (d * dtype.itemsize))
+    m = math.ceil((STREAMING_ROW_BYTES // 2 + 2**20) / (d * dtype.itemsize))  # x and y of 9 MiB each: streamed
     x = torch.randn(m, d).to(dtype)
     grad_out = torch.randn(m, d).to(dtype)
     weight, bias = make_params(norm, (d,), True, norm.has_bias, dtype, "cpu")

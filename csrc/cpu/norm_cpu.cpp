@@ -136,15 +136,22 @@ Group<A> unpack(const Packed& packed) {
 }
 
 // Streaming (non-temporal) stores write an output around the caches: no read of each line before it is
-// overwritten, and the input keeps its place in the cache. They pay off once the output would not stay in a core's
-// L2 for its reader anyway: from 1 MiB of output per thread (the L2 of current x86 server cores). Measured on the
-// 2-core dev VM, float32 LayerNorm forward at D=4096: 25% slower at 0.5 MiB per thread, ~15% faster from 2 MiB.
-constexpr int64_t kStreamingBytesPerThread = int64_t{1} << 20;
+// overwritten, and the inputs keep their place in the cache. They pay off once a call's rows (inputs and outputs)
+// would not stay in the last-level cache for their next reader anyway, and cost where they would: the cached output
+// is there for the next layer (and for the same call's next run). Measured on the 2-core dev VM (AMD EPYC, 32 MiB
+// L3), one process, time streaming / cached: float32 forward with 16 MiB of rows (x and y) 0.98 where the L3 served
+// it and 1.2-1.6 in the processes where it did not; 24 MiB 0.9-1.0; 32 MiB 0.78-0.85; float32 backward (x, dy and
+// dx) 12 MiB 0.97, 24 MiB 0.66; bfloat16 forward 16 MiB 1.0, 32 MiB 0.85-1.0. (The earlier rule, from 1 MiB of
+// output per thread, streamed the 16 MiB forward: 0.82-0.97x torch in the processes the L3 did not serve.) The cost:
+// a forward followed at once by its backward (a benchmark's fwd+bwd; in a model the layers between evict x anyway)
+// found x in cache more often when y streamed: float32 8 MiB 1.08-1.19x the time with y cached.
+constexpr int64_t kStreamingRowBytes = int64_t{16} << 20;
 constexpr int64_t kStreamAlignment = 32;  // bytes: one AVX register
 
-bool use_streaming_stores(int64_t output_bytes) {
+// Whether a call whose rows (what it reads and writes row by row) take `row_bytes` streams its outputs.
+bool use_streaming_stores(int64_t row_bytes) {
 #ifdef TORCH_LN_TARGET_AVX2
-  return output_bytes / at::get_num_threads() >= kStreamingBytesPerThread;
+  return row_bytes > kStreamingRowBytes;
 #else
   return false;
 #endif
@@ -482,7 +489,9 @@ struct NormCpu {
     A* mean = kCentered ? a.mean.mutable_data_ptr<A>() : nullptr;
     A* rstd = a.rstd.mutable_data_ptr<A>();
     const A eps = static_cast<A>(a.eps);
-    const bool streaming = use_streaming_stores(a.y.nbytes()), round = a.rounding.round_normalized;
+    const bool streaming = use_streaming_stores(a.x.nbytes() + a.y.nbytes() +
+                                                (HasRes ? a.residual.nbytes() + a.residual_out.nbytes() : 0));
+    const bool round = a.rounding.round_normalized;
     const bool prefetch = D * static_cast<int64_t>(sizeof(T) + (HasRes ? sizeof(R) : 0)) <= kPrefetchRowBytes;
     const double offset = a.rounding.weight_offset;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
@@ -710,7 +719,9 @@ struct NormCpu {
           w(weight.defined() ? weight.const_data_ptr<A>() : nullptr),
           mean(kCentered ? a.mean.const_data_ptr<A>() : nullptr),
           rstd(a.rstd.const_data_ptr<A>()),
-          streaming(a.dx.defined() && use_streaming_stores(a.dx.nbytes())),
+          streaming(a.dx.defined() &&
+                    use_streaming_stores(a.dy.nbytes() + a.x.nbytes() + a.dx.nbytes() +
+                                         (a.grad_residual_out.defined() ? a.grad_residual_out.nbytes() : 0))),
           round(a.rounding.round_normalized) {}
     int64_t D;
     const T* dy;
