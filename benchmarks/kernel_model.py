@@ -37,6 +37,9 @@ class Gpu:
     copy_bandwidth: float = 4.3e12  # measured dst.copy_(src) bandwidth, bytes/s
     dram_latency_s: float = 1e-6  # loaded DRAM latency: Little's law's round trip
     launch_s: float = 4e-6  # per kernel launch (3-5 us)
+    # A programmatic dependent launch (the backward's reduce): its launch overlaps the end of the kernel before it,
+    # leaving the wait for that kernel's memory and its own blocks' start (assumed, not measured).
+    dependent_launch_s: float = 1e-6
     max_cluster_blocks: int = 16  # sm_90's non-portable cluster size (the launchers opt in beyond 8)
 
 
@@ -253,6 +256,7 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
     # The row kernel's residency from its registers (found by name after one small run).
     probe = emulate(op, mode, D, rpb, dtype, (1 << 20, plan["block_threads"], None, H200.max_cluster_blocks))
     names = [launch["kernel"] for launch in probe]
+    dependent = {launch["kernel"]: launch["dependent"] for launch in probe}
     row_kernel = names[0]
     res = {n: resources.get(n, {}) for n in names}
     registers = res[row_kernel].get("registers", 32)
@@ -279,7 +283,8 @@ def _model_case(op: str, mode: str, dtype_name: str, D: int, resources: dict, M:
         resident_threads = min(grid, H200.sms * bps) * threads
         waves = grid / (H200.sms * bps)
         dram = t["dram_read_bytes"] + t["dram_write_bytes"]
-        seconds += kernel_time(dram, resident_threads, r.get("bytes_in_flight", 4), waves) + H200.launch_s
+        launch_s = H200.dependent_launch_s if dependent[name] else H200.launch_s
+        seconds += kernel_time(dram, resident_threads, r.get("bytes_in_flight", 4), waves) + launch_s
     dram_total = total["dram_read_bytes"] + total["dram_write_bytes"]
     if mode == "bwd" and plan["path"] == "multipass":  # at::zeros of the partial rows before the multi-pass backward
         memset = blocks * D * 4 * parameter_count(op)

@@ -214,6 +214,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
         store_dx<KIND>(p, row, c * VEC, xhat[k], dy[k], w[k], rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
+  dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores
   // Every block (cluster) writes its whole partial rows, zeros included, so the buffers need no clearing.
   int cluster = 1;
   if constexpr (partial_clusters_for(sizeof(acc_t))) cluster = p.partial_cluster;
@@ -411,6 +412,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
+  dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores
   // The groups' gradient sums added in group order into the cluster's one partial row (slot: the cluster's index),
   // each block of a group its share of its slice of it.
   if constexpr (partial_clusters_for(sizeof(acc_t))) {

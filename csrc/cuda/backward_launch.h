@@ -7,7 +7,8 @@
 
 namespace torch_ln {
 
-// Sums the partial rows into dweight and dbias (launched on the row kernel's stream, after it).
+// Sums the partial rows into dweight and dbias (launched on the row kernel's stream, after it: a dependent launch,
+// which starts while the row kernel's blocks write their partial rows).
 template <typename acc_t, typename W, typename Params>
 void launch_reduce_partials(const Params& p, const BackwardArgs& a, int64_t partial_rows, dev::Stream stream) {
   constexpr int kVec = kVectorBytes / sizeof(acc_t);
@@ -17,8 +18,8 @@ void launch_reduce_partials(const Params& p, const BackwardArgs& a, int64_t part
   const dev::Dim3 grid{static_cast<unsigned>(ceil_div(a.cols / vec, kReduceVectors)), 2};
   const dev::Dim3 block{kReduceVectors, kReduceStripes};
   auto launch = [&](auto kernel) {
-    dev::launch(kernel, grid, block, 0, stream, p.partial_dweight, p.partial_dbias, mutable_data_or_null<W>(a.dweight),
-                mutable_data_or_null<W>(a.dbias), partial_rows, a.cols);
+    dev::launch_dependent(kernel, grid, block, 0, stream, p.partial_dweight, p.partial_dbias,
+                          mutable_data_or_null<W>(a.dweight), mutable_data_or_null<W>(a.dbias), partial_rows, a.cols);
   };
   if (vec_ok) {
     launch(reduce_partials_kernel<acc_t, W, kVec>);

@@ -11,7 +11,12 @@
 #if defined(__CUDACC__)
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAMacros.h>
 #include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
 
 #define TLN_KERNEL __global__
 // The most threads a kernel is launched with: the compiler keeps its registers
@@ -135,6 +140,21 @@ TLN_DEVICE const T* cluster_shared(const T* p, unsigned rank) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched by launch_dependent may start while the kernel ahead of
+// it on the stream is still running; it waits here (for that kernel's end and its memory) before touching its output.
+TLN_DEVICE void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the dependent launch after this kernel begin once every block has come here: what a block does after it
+// (its last stores) overlaps that launch, which still waits for them (wait_for_prior_grid).
+TLN_DEVICE void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
 TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
 // A product rounded on its own, never fused into a following add.
@@ -160,13 +180,9 @@ void allow_dynamic_shared(void (*kernel)(Params...), size_t bytes, size_t max_by
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(max_bytes)));
 }
 
-// A launch of clusters of `cluster` blocks along x (cudaLaunchKernelEx's configuration); `attribute` is its storage.
-inline cudaLaunchConfig_t cluster_config(Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, unsigned cluster,
-                                         cudaLaunchAttribute& attribute) {
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
+// cudaLaunchKernelEx's configuration of a launch with one attribute (`attribute`, which must outlive it).
+inline cudaLaunchConfig_t launch_config(Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream,
+                                        cudaLaunchAttribute& attribute) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
@@ -175,6 +191,16 @@ inline cudaLaunchConfig_t cluster_config(Dim3 grid, Dim3 block, size_t smem_byte
   config.attrs = &attribute;
   config.numAttrs = 1;
   return config;
+}
+
+// A launch of clusters of `cluster` blocks along x; `attribute` is its storage.
+inline cudaLaunchConfig_t cluster_config(Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, unsigned cluster,
+                                         cudaLaunchAttribute& attribute) {
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  return launch_config(grid, block, smem_bytes, stream, attribute);
 }
 
 // How many clusters of `cluster` blocks (of `threads` threads and `smem_bytes` each) the device holds at once.
@@ -196,6 +222,34 @@ template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream, Args&&... args) {
   kernel<<<grid, block, smem_bytes, stream>>>(std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Whether `kernel`, as loaded for the current device, was compiled for sm_90 or later, where its
+// wait_for_prior_grid waits (a compute_80 build JIT-compiled for an H100 has none): cached per device.
+template <typename... Params>
+bool waits_for_prior_grid(void (*kernel)(Params...)) {
+  static std::array<std::atomic<signed char>, C10_COMPILE_TIME_MAX_GPUS> known{};  // 0: not asked yet
+  std::atomic<signed char>& known_here = known.at(c10::cuda::current_device());
+  if (known_here.load(std::memory_order_relaxed) == 0) {
+    cudaFuncAttributes attributes{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    known_here.store(attributes.ptxVersion >= 90 ? 1 : -1, std::memory_order_relaxed);
+  }
+  return known_here.load(std::memory_order_relaxed) > 0;
+}
+
+// launch(), as a programmatic dependent launch where the kernel waits for it (wait_for_prior_grid): its launch
+// overlaps the end of the kernel before it on the stream instead of following it.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream stream,
+                      Args&&... args) {
+  if (!waits_for_prior_grid(kernel))
+    return launch(kernel, grid, block, smem_bytes, stream, std::forward<Args>(args)...);
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  const cudaLaunchConfig_t config = launch_config(grid, block, smem_bytes, stream, attribute);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // The same launch in clusters of `cluster` blocks along x (grid.x a multiple of it).
@@ -277,6 +331,9 @@ void store_shared(T* p, const T& v, Site site = TLN_SITE) {
   *p = v;
 }
 
+inline void wait_for_prior_grid() { emu::wait_for_prior_grid(); }
+inline void allow_dependent_launch() {}  // the emulator runs launches one after another
+
 inline unsigned cluster_rank() { return emu::this_thread().cluster_rank; }
 inline void cluster_sync() { emu::cluster_sync(); }
 template <typename T>
@@ -316,6 +373,12 @@ template <typename... Params, typename... Args>
 void launch_clusters(void (*kernel)(Params...), unsigned cluster, Dim3 grid, Dim3 block, size_t smem_bytes, Stream,
                      Args&&... args) {
   emu::launch(grid, block, smem_bytes, reinterpret_cast<const void*>(kernel), [&] { kernel(args...); }, cluster);
+}
+
+// Always dependent: the emulator checks that the kernel waits before it touches global memory.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), Dim3 grid, Dim3 block, size_t smem_bytes, Stream, Args&&... args) {
+  emu::launch(grid, block, smem_bytes, reinterpret_cast<const void*>(kernel), [&] { kernel(args...); }, 1, true);
 }
 
 }  // namespace torch_ln::dev

@@ -19,6 +19,7 @@ template <typename acc_t, typename W, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kReduceVectors* kReduceStripes)
     reduce_partials_kernel(const acc_t* partial_dweight, const acc_t* partial_dbias, W* dweight, W* dbias,
                            int64_t partial_rows, int64_t cols) {
+  dev::wait_for_prior_grid();  // launched while the row kernel that writes the partial rows ends
   const acc_t* partial = dev::block_y() == 0 ? partial_dweight : partial_dbias;
   W* out = dev::block_y() == 0 ? dweight : dbias;
   if (partial == nullptr) return;  // the whole block leaves together

@@ -14,7 +14,7 @@ struct DeviceLimits {
   int num_sms;
   int max_threads_per_sm;
   size_t max_shared_per_block;  // dynamic shared memory a block may have (opted in beyond 48 KB)
-  int max_cluster_blocks;       // blocks a cluster may have: 16 on sm_90 (non-portable), else 8, 1 without clusters
+  int max_cluster_blocks;       // blocks a cluster may have: 16 on sm_90 (if one fits), else 8, 1 without clusters
 };
 
 constexpr int kVectorBytes = 16;  // one 128-bit load or store

@@ -369,7 +369,7 @@ std::string regions_json(const LaunchTraffic& t, double scale) {
 }
 
 std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, Dim3 block, size_t smem,
-                        unsigned cluster, int64_t concurrent_blocks, double scale) {
+                        unsigned cluster, bool dependent, int64_t concurrent_blocks, double scale) {
   std::string name = "?";
   Dl_info info;
   if (dladdr(kernel, &info) != 0 && info.dli_sname != nullptr) name = info.dli_sname;
@@ -387,7 +387,8 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
   };
   const std::string shape = ",\"grid\":" + std::to_string(uint64_t{grid.x} * grid.y * grid.z) +
                             ",\"block_threads\":" + std::to_string(uint64_t{block.x} * block.y * block.z) +
-                            ",\"dynamic_smem\":" + std::to_string(smem) + ",\"cluster\":" + std::to_string(cluster);
+                            ",\"dynamic_smem\":" + std::to_string(smem) + ",\"cluster\":" + std::to_string(cluster) +
+                            ",\"dependent\":" + (dependent ? "true" : "false");
   return std::string("{\"kernel\":\"") + name + "\"" + shape + field("load_bytes", t.load_bytes) +
          field("store_bytes", t.store_bytes) + field("load_requests", t.load_requests) +
          field("store_requests", t.store_requests) + field("coalesced_bytes", t.coalesced_bytes) +
@@ -488,6 +489,10 @@ const void* map_shared_rank(const void* p, unsigned rank) {
 }
 
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site) {
+  if (space == Space::Global && this_thread().awaiting_prior_grid) {
+    fail(std::string("a dependent launch touched global memory before wait_for_prior_grid at ") + site.file + ":" +
+         std::to_string(site.line));
+  }
   if (!counting) return;
   ThreadContext& t = this_thread();
   ThreadTrace& trace = t.block->traces[t.linear_tid];
@@ -545,8 +550,10 @@ uint64_t warp_exchange(uint64_t value, unsigned src_lane) {
 
 unsigned char* dynamic_shared_memory() { return this_thread().block->smem.get(); }
 
+void wait_for_prior_grid() { this_thread().awaiting_prior_grid = false; }
+
 void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body,
-            unsigned cluster) {
+            unsigned cluster, bool dependent) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024 || threads % kWarpSize != 0) {
     throw std::invalid_argument("SIMT emulator: a block needs a multiple of 32 threads, at most 1024; got " +
@@ -582,7 +589,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
                       &own,
                       tid,
                       &state,
-                      rank};
+                      rank,
+                      false};
     current_thread = &ctx;
     for (uint64_t b = rank; b < blocks; b += cluster) {
       if (b % grid.x >= sampled_x) continue;  // the same for every block of the cluster
@@ -590,6 +598,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
                        static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
       // Shared memory is uninitialized on a GPU: poison it for each block.
       if (tid == 0 && own.smem) std::memset(own.smem.get(), 0xFF, own.smem_bytes);
+      ctx.awaiting_prior_grid = dependent;  // every block of a dependent launch waits for itself
       state.barrier.arrive_and_wait("block start");
       body();
       state.barrier.arrive_and_wait("block end");
@@ -603,8 +612,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
 
   Fibers(size_t{cluster} * threads, [&](size_t i) { run_thread(i / threads, i % threads); }).run();
   if (counting)
-    launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, cluster, concurrent_blocks,
-                                     static_cast<double>(grid.x) / sampled_x));
+    launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, cluster, dependent,
+                                     concurrent_blocks, static_cast<double>(grid.x) / sampled_x));
 }
 
 }  // namespace torch_ln::emu

@@ -38,7 +38,8 @@ struct ThreadContext {
   BlockState* block;
   unsigned linear_tid;
   ClusterState* cluster;
-  unsigned cluster_rank;  // the block's rank in its cluster (0 without clusters)
+  unsigned cluster_rank;     // the block's rank in its cluster (0 without clusters)
+  bool awaiting_prior_grid;  // a dependent launch's thread before wait_for_prior_grid: global memory is off limits
 };
 
 ThreadContext& this_thread();
@@ -63,9 +64,14 @@ const void* map_shared_rank(const void* p, unsigned rank);
 // Runs `body` as a grid of `grid` blocks of `block` threads, in clusters of
 // `cluster` blocks along x (grid.x a multiple of it). Launches are serialized;
 // the threads of a block must be a multiple of the warp size. `kernel` names
-// the launch in the traffic log (its symbol).
+// the launch in the traffic log (its symbol). A `dependent` launch (programmatic
+// dependent launch: on a GPU it may start before the kernel ahead of it ends)
+// aborts where a thread touches global memory before wait_for_prior_grid.
 void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel, const std::function<void()>& body,
-            unsigned cluster = 1);
+            unsigned cluster = 1, bool dependent = false);
+
+// griddepcontrol.wait: from here on the calling thread may read what the kernel before a dependent launch wrote.
+void wait_for_prior_grid();
 
 // Traffic counters. Every global and shared access of a kernel reports here with
 // the source line it comes from. At the end of each block the accesses of each

@@ -8,6 +8,18 @@ using namespace torch_ln::emu;
 
 int main(int argc, char** argv) {
   const char* check = argc > 1 ? argv[1] : "";
+  if (std::strcmp(check, "dependent") == 0 || std::strcmp(check, "dependent_waits") == 0) {
+    // A dependent launch (programmatic dependent launch) reads global memory, after wait_for_prior_grid or not.
+    const bool waits = std::strcmp(check, "dependent_waits") == 0;
+    static int prior_output = 7;
+    const auto read = [&] {
+      if (waits) wait_for_prior_grid();
+      record_access(Space::Global, &prior_output, sizeof(prior_output), false, {__FILE__, __LINE__});
+    };
+    launch({2}, {32}, 0, nullptr, read, 1, true);
+    std::printf("read\n");
+    return 0;
+  }
   long sum = 0;
   const auto body = [&] {
     const unsigned tid = this_thread().linear_tid;

@@ -1,6 +1,6 @@
 """The SIMT emulator's own checks (csrc/emulated/simt_emulator.cpp): barriers and shuffles give the right values,
-and a kernel that would hang a GPU (a barrier some threads never reach) or diverge at barriers fails at once with a
-message instead of hanging."""
+a kernel that would hang a GPU (a barrier some threads never reach) or diverge at barriers fails at once with a
+message instead of hanging, and a dependent launch that would read its predecessor's output too early fails."""
 
 from __future__ import annotations
 
@@ -43,8 +43,16 @@ def test_barriers_and_shuffles(checks):
     [
         ("deadlock", "deadlock: threads wait at a barrier that not every thread of the block reaches"),
         ("divergent", "divergent barrier: some threads reached 'cluster barrier', others 'block end'"),
+        # On a GPU the read could see the kernel before it still writing (programmatic dependent launch).
+        ("dependent", "a dependent launch touched global memory before wait_for_prior_grid"),
     ],
 )
 def test_hang_fails_with_a_message(checks, check, message):
     result = _run(checks, check)
     assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_dependent_launch_reads_after_waiting(checks):
+    result = _run(checks, "dependent_waits")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["read"]

@@ -51,6 +51,10 @@ def test_traffic(op, mode, dtype, cols):
         efficiency = launch["coalesced_bytes"] / launch["coalesced_sector_bytes"]
         assert efficiency == 1.0, f"{launch['kernel']}: sector efficiency {efficiency:.3f}"
         assert launch["bank_conflicts"] == 0, launch["kernel"]
+    # The backward's reduce is a programmatic dependent launch (its launch overlaps the row kernel's end); the row
+    # kernel, which may follow anything, is not.
+    assert [launch["dependent"] for launch in log] == [False] + [True] * (len(log) - 1)
+    assert len(log) == (2 if mode == "bwd" else 1)
     elem = dtype.itemsize
     plan = kernel_model.ops().plan(mode, ROWS, cols, elem, True, 0, kernel_model.parameter_count(op))
     items, blocks, cluster, partial_cluster = plan[1], plan[4], plan[5], plan[9]

@@ -74,12 +74,18 @@ def _kernel_source(path: str) -> bool:
     return p.parent.name == "cuda" and p.suffix == ".cuh"
 
 
+# Kernels that are never launched by design: the occupancy API's subject where largest_cluster
+# (csrc/cuda/cuda_context.cuh) asks whether a cluster of 16 fits; it does nothing.
+NEVER_LAUNCHED = {"torch_ln::detail::cluster_probe_kernel()"}
+
+
 def test_every_instantiation_launched(coverage):
     executed = defaultdict(int)
     for f in coverage:
         for fn in f["functions"]:
             executed[fn["name"]] += fn["execution_count"]
-    never = [NAMES[k] for k in sorted(KERNELS) if executed[k] == 0]
+    assert NEVER_LAUNCHED <= set(NAMES.values()), "a kernel named in NEVER_LAUNCHED is gone: drop it there"
+    never = [NAMES[k] for k in sorted(KERNELS) if executed[k] == 0 and NAMES[k] not in NEVER_LAUNCHED]
     assert not never, f"{len(never)} of {len(KERNELS)} kernel instantiations never launched:\n" + "\n".join(never)
 
 
