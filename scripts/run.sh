@@ -2,7 +2,8 @@
 # One command for each job, set-up included (Python >= 3.10 on PATH as python3, or $PYTHON):
 #   bash scripts/run.sh main   installs, builds, and runs the self-check `python -m torch_ln`
 #   bash scripts/run.sh test   installs, builds, and runs the test suite: the main suite, then
-#                              the CUDA kernels under SIMT emulation with ASan and UBSan, then
+#                              the CUDA kernels under SIMT emulation with ASan, UBSan and the
+#                              emulator's shared-memory race check, then
 #                              under gcov, then the kernel gates (tests/gates; needs nvcc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +19,10 @@ case "${1:-}" in
     ;;
   test)
     "$PYTHON" -m pytest tests --ignore=tests/emulated --ignore=tests/gates
-    # The emulated kernels under AddressSanitizer: its runtime has to be loaded first. A launch runs on one OS
-    # thread (its emulated threads are fibers): one pytest worker per core.
-    LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+    # The emulated kernels under AddressSanitizer (its runtime has to be loaded first) and the emulator's
+    # shared-memory race check. A launch runs on one OS thread (its emulated threads are fibers): one pytest
+    # worker per core.
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 TORCH_LN_RACECHECK=1 \
       TORCH_LN_REQUIRE_SANITIZERS=1 "$PYTHON" -m pytest tests/emulated -n auto
     # Again under gcov, then the gates: every sm_90 kernel instantiation (ptxas) free of spills,
     # launched by those tests, and every branch arm of the kernels taken.

@@ -80,6 +80,8 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
 
 void set_counting(bool on) { emu::set_counting(on); }
 
+bool racecheck_active() { return emu::racecheck_enabled(); }
+
 void set_l2_model(double l2_bytes, int64_t concurrent_blocks) { emu::set_l2_model(l2_bytes, concurrent_blocks); }
 
 void set_block_sample(int64_t blocks) {
@@ -114,6 +116,7 @@ TORCH_LIBRARY(torch_ln_emulated, m) {
       "int param_rows=0) -> int[]",
       &plan);
   m.def("set_counting", &set_counting);
+  m.def("racecheck_active", &racecheck_active);
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);
   m.def("set_regions", &set_regions);

@@ -185,6 +185,9 @@ class Barrier {
     for (const uint64_t generation = generation_; generation_ == generation;) Fibers::yield();
   }
 
+  // Completed phases: an access after the n-th follows every access before it.
+  uint64_t generation() const { return generation_; }
+
  private:
   const unsigned count_;
   unsigned arrived_ = 0;
@@ -402,6 +405,27 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
 
 }  // namespace
 
+// The shared-memory race check (TORCH_LN_RACECHECK=1): each byte of shared memory remembers its last write and up to
+// two reads since. An access by another thread that no barrier separates from a conflicting one (write after write,
+// read after write, write after read) is a race: on a GPU its result would depend on the threads' timing. Accesses
+// of one block are separated by a completed barrier of the block or of its cluster, accesses of different blocks of
+// a cluster (distributed shared memory) by a completed cluster barrier. Warp shuffles order nothing.
+struct SharedAccess {
+  uint32_t rank = 0, tid = 0;  // block rank in the cluster, thread in the block
+  uint64_t block_generation = 0, cluster_generation = 0;
+  bool valid = false;
+};
+struct ByteShadow {
+  SharedAccess write, reads[2];
+};
+
+const bool racecheck = [] {
+  const char* on = std::getenv("TORCH_LN_RACECHECK");
+  return on != nullptr && std::string(on) != "0";
+}();
+std::vector<std::string> races;                           // the current launch's, the first few
+std::unordered_map<uintptr_t, ByteShadow> static_shadow;  // static shared arrays (TLN_STATIC_SHARED), per launch
+
 class BlockState {
  public:
   BlockState(unsigned threads, size_t smem_bytes)
@@ -442,7 +466,8 @@ class BlockState {
   std::unique_ptr<unsigned char, AlignedDelete> smem;
   size_t smem_bytes;
   std::vector<ThreadTrace> traces;
-  uint64_t syncs = 0;  // __syncthreads of the current block
+  uint64_t syncs = 0;              // __syncthreads of the current block
+  std::vector<ByteShadow> shadow;  // the race check's record of each dynamic shared byte (allocated on first use)
 };
 
 // The blocks of one cluster, run together: their states and the barrier over all their threads (a launch without
@@ -461,6 +486,61 @@ ThreadContext& this_thread() {
   if (current_thread == nullptr) fail("a device function ran outside an emulated kernel");
   return *current_thread;
 }
+
+namespace {
+
+uint64_t block_generation(const ThreadContext& t) { return t.block->barrier.generation(); }
+
+// Whether `a` is absent, the calling thread's own, or separated from the calling thread by a barrier since.
+bool before_barrier(const SharedAccess& a, const ThreadContext& t) {
+  if (!a.valid || (a.rank == t.cluster_rank && a.tid == t.linear_tid)) return true;
+  if (t.cluster->barrier.generation() != a.cluster_generation) return true;
+  return a.rank == t.cluster_rank && block_generation(t) != a.block_generation;
+}
+
+void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site) {
+  const SharedAccess now{t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true};
+  auto race = [&](const char* kind, const SharedAccess& other) {
+    std::string message = std::string(kind) + " at " + site.file + ":" + std::to_string(site.line) + ", thread " +
+                          std::to_string(t.linear_tid) + " of block rank " + std::to_string(t.cluster_rank) +
+                          " after thread " + std::to_string(other.tid) + " of block rank " + std::to_string(other.rank);
+    if (races.size() < 4 && std::find(races.begin(), races.end(), message) == races.end()) races.push_back(message);
+  };
+  if (!before_barrier(byte.write, t)) race(store ? "write after write" : "read after write", byte.write);
+  if (store) {
+    for (const SharedAccess& read : byte.reads) {
+      if (!before_barrier(read, t)) race("write after read", read);
+    }
+    byte = ByteShadow{now, {}};
+    return;
+  }
+  // Kept: two reads no barrier has ordered yet, which a later write by a third thread races with.
+  for (SharedAccess& read : byte.reads) {
+    if (before_barrier(read, t)) {
+      read = now;
+      return;
+    }
+  }
+}
+
+void check_shared_access(const ThreadContext& t, uintptr_t address, size_t bytes, bool store, Site site) {
+  ByteShadow* shadow = nullptr;
+  for (const auto& block : t.cluster->blocks) {  // the block's own dynamic shared memory, or a cluster peer's
+    const auto base = reinterpret_cast<uintptr_t>(block->smem.get());
+    if (address >= base && address + bytes <= base + block->smem_bytes) {
+      if (block->shadow.empty()) block->shadow.resize(block->smem_bytes);
+      shadow = &block->shadow[address - base];
+      break;
+    }
+  }
+  for (size_t i = 0; i < bytes; ++i) {
+    check_byte(shadow != nullptr ? shadow[i] : static_shadow[address + i], t, store, site);
+  }
+}
+
+}  // namespace
+
+bool racecheck_enabled() { return racecheck; }
 
 void sync_threads() {
   ThreadContext& t = this_thread();
@@ -492,6 +572,9 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
   if (space == Space::Global && this_thread().awaiting_prior_grid) {
     fail(std::string("a dependent launch touched global memory before wait_for_prior_grid at ") + site.file + ":" +
          std::to_string(site.line));
+  }
+  if (racecheck && space == Space::Shared) {
+    check_shared_access(this_thread(), reinterpret_cast<uintptr_t>(address), bytes, store, site);
   }
   if (!counting) return;
   ThreadContext& t = this_thread();
@@ -610,7 +693,15 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
     current_thread = nullptr;
   };
 
+  races.clear();
+  static_shadow.clear();
   Fibers(size_t{cluster} * threads, [&](size_t i) { run_thread(i / threads, i % threads); }).run();
+  if (!races.empty()) {
+    std::string message = "SIMT emulator: shared-memory race (TORCH_LN_RACECHECK)";
+    for (const std::string& race : races) message += "\n  " + race;
+    races.clear();
+    throw std::runtime_error(message);
+  }
   if (counting)
     launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, cluster, dependent,
                                      concurrent_blocks, static_cast<double>(grid.x) / sampled_x));

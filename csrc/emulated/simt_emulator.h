@@ -89,6 +89,10 @@ struct Site {
 };
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site);
 
+// Whether the shared-memory race check is on (TORCH_LN_RACECHECK=1 when the library loads): every shared access is
+// checked against the others of its launch, and a launch with a race throws, naming it (simt_emulator.cpp).
+bool racecheck_enabled();
+
 // Counting is off unless switched on (the kernel model and the traffic tests):
 // the other emulated runs pay nothing for it.
 void set_counting(bool on);

@@ -20,6 +20,25 @@ int main(int argc, char** argv) {
     std::printf("read\n");
     return 0;
   }
+  if (std::strcmp(check, "race") == 0 || std::strcmp(check, "race_synced") == 0) {
+    // Thread 40 reads what thread 3 wrote to shared memory, with a barrier between or not (TORCH_LN_RACECHECK=1).
+    const bool synced = std::strcmp(check, "race_synced") == 0;
+    const auto exchange = [&] {
+      auto* word = reinterpret_cast<int*>(dynamic_shared_memory());
+      const unsigned tid = this_thread().linear_tid;
+      if (tid == 3) record_access(Space::Shared, word, sizeof(int), true, {__FILE__, __LINE__});
+      if (synced) sync_threads();
+      if (tid == 40) record_access(Space::Shared, word, sizeof(int), false, {__FILE__, __LINE__});
+    };
+    try {
+      launch({1}, {64}, sizeof(int), nullptr, exchange);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+    std::printf("no race\n");
+    return 0;
+  }
   long sum = 0;
   const auto body = [&] {
     const unsigned tid = this_thread().linear_tid;

@@ -933,8 +933,10 @@ def _check_residual_add_reduced_precision(kind, dtype, param_dtype, residual_dty
 @pytest.mark.skipif(not os.environ.get("TORCH_LN_REQUIRE_SANITIZERS"), reason="only scripts/run.sh requires them")
 def test_sanitizers_active():
     # scripts/run.sh sets TORCH_LN_REQUIRE_SANITIZERS and preloads ASan: without the
-    # preload the build would silently be the plain one.
+    # preload the build would silently be the plain one. It also sets TORCH_LN_RACECHECK: every launch of this run
+    # checks its shared-memory accesses for races (csrc/emulated/simt_emulator.cpp).
     assert SANITIZED
+    assert ops.racecheck_active()
 
 
 # rms_norm's rounding options (RoundingOptions, csrc/norm.h): Llama's and Gemma's arithmetic.

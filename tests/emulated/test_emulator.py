@@ -1,6 +1,7 @@
 """The SIMT emulator's own checks (csrc/emulated/simt_emulator.cpp): barriers and shuffles give the right values,
 a kernel that would hang a GPU (a barrier some threads never reach) or diverge at barriers fails at once with a
-message instead of hanging, and a dependent launch that would read its predecessor's output too early fails."""
+message instead of hanging, a dependent launch that would read its predecessor's output too early fails, and the
+race check (TORCH_LN_RACECHECK=1) reports shared memory that two threads access with no barrier between."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def _without_preload():
     return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
-def _run(program, check):
+def _run(program, check, **env):
     return subprocess.run(
-        [str(program), check], check=False, capture_output=True, text=True, timeout=60, env=_without_preload()
+        [str(program), check], check=False, capture_output=True, text=True, timeout=60, env=_without_preload() | env
     )
 
 
@@ -56,3 +57,20 @@ def test_dependent_launch_reads_after_waiting(checks):
     result = _run(checks, "dependent_waits")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["read"]
+
+
+def test_race_check_reports_an_unsynchronized_read(checks):
+    result = _run(checks, "race", TORCH_LN_RACECHECK="1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "shared-memory race" in result.stderr and "read after write" in result.stderr, result.stderr
+    assert "thread 40 of block rank 0 after thread 3 of block rank 0" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "check,env", [("race_synced", {"TORCH_LN_RACECHECK": "1"}), ("race", {"TORCH_LN_RACECHECK": "0"})]
+)
+def test_race_check_quiet(checks, check, env):
+    # A barrier between the write and the read orders them; without TORCH_LN_RACECHECK nothing is checked.
+    result = _run(checks, check, **env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["no", "race"]
