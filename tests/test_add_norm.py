@@ -168,6 +168,40 @@ def test_same_bits_as_the_plain_norm(norm, d, dtype):
     assert torch.equal(fused["dweight"], params[0].grad)
 
 
+def _bfloat16_special_sums():
+    """x and residual (bfloat16, one row of 4096) whose sums, between random normal values, include the lanes the
+    CPU's AVX-512 BF16 rounding leaves to the integer one: zeros, denormals, NaN, and around them infinities, sums
+    that overflow to infinity, and ties between two bfloat16 values (rounded to even)."""
+    x, residual = torch.randn(1, 4096).bfloat16(), torch.randn(1, 4096).bfloat16()
+    tiny = torch.finfo(torch.bfloat16).smallest_normal
+    special = [
+        (0.0, 0.0),  # +0
+        (-0.0, -0.0),  # -0
+        (tiny / 4, 0.0),  # a denormal
+        (-tiny * 0.75, tiny / 8),  # a negative denormal sum
+        (float("nan"), 1.0),
+        (float("inf"), 1.0),
+        (float("-inf"), -1.0),
+        (3.0e38, 3.0e38),  # overflows to infinity
+        (1.0, 2.0**-8),  # a tie: 1 + 2^-8 rounds to 1 (even)
+        (1.0, 3 * 2.0**-8),  # a tie: 1 + 3 * 2^-8 rounds up to 1 + 2^-6 (even)
+    ]
+    for k, (a, b) in enumerate(special):  # lane k of every fourth 16-lane vector: the others stay plain
+        x[0, 64 * k + 3], residual[0, 64 * k + 3] = a, b
+    x[0, 4000:4016], residual[0, 4000:4016] = 2.0**-130, 0.0  # a whole vector of denormals
+    return x, residual
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bfloat16_rounding_of_special_values(norm):
+    """Regression (2026-12-02): the CPU rounds float to bfloat16 with AVX-512 BF16 where the CPU has it, except for
+    vectors holding zeros, denormals or NaN, which that instruction flushes or keeps payloads of: residual_out (the
+    y of every norm takes the same rounding) is still bitwise torch's x + residual, NaN as the same bits."""
+    x, residual = _bfloat16_special_sums()
+    _, h = ours(norm, x, residual, (4096,), None, None, norm.default_eps)
+    assert torch.equal(h.view(torch.int16), (x + residual).view(torch.int16))
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_outputs_never_alias_inputs(norm):
     x, residual = torch.randn(4, 16), torch.randn(4, 16)
