@@ -319,8 +319,8 @@ void with_flag(bool flag, const F& f) {
 // D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
 // and merges cost more than loads from L1/L2); bfloat16, single thread, 1 MiB: D=4096/8192 0.89x/~1.0x with one
 // read, 1.4x/1.35x converted once (a 4 KiB stack buffer limited that to 1024 elements before). The same limit holds
-// after a residual add (whose row is kept as acc_t), so that the fused ops' statistics are bitwise those of the
-// plain norm of residual_out.
+// after a residual add (whose row is kept in a per-thread row), so that the fused ops' statistics are bitwise those of
+// the plain norm of residual_out.
 constexpr int64_t kTwoPassRowBytes = 512 * 1024;
 
 // The forward's last pass over a row of up to this many bytes of inputs (x, and the residual) requests the next
@@ -334,28 +334,28 @@ constexpr int64_t kPrefetchRowBytes = 32 * 1024;
 // What a thread keeps in a ThreadRow: the row being normalized (InputRow::kept), the weight and the bias as acc_t.
 enum class RowUse { kKept, kWeight, kBias };
 
-// A per-thread row of n acc_t values, uninitialized, for one RowUse. Rows up to kTwoPassRowBytes reuse one buffer per
-// thread and use for the life of the thread: allocating (and zero-filling) one per call cost more than a call of a
+// A per-thread row of n values of type E, uninitialized, for one RowUse. Rows up to kTwoPassRowBytes reuse one buffer
+// per thread and use for the life of the thread: allocating (and zero-filling) one per call cost more than a call of a
 // few long rows (bfloat16 forward, 4 rows of 131072, converted once then, in a fresh process with default malloc:
 // 0.61 ms against torch's 0.16, each call's 512 KiB row mapped anew and faulted in). Longer rows get one for the call.
-template <typename A, RowUse kUse>
+template <typename E, RowUse kUse>
 class ThreadRow {
  public:
   explicit ThreadRow(int64_t n) {
     if (n == 0) return;  // no row kept
-    if (n * static_cast<int64_t>(sizeof(A)) <= kTwoPassRowBytes) {
-      static thread_local const std::unique_ptr<A[]> reused(new A[kTwoPassRowBytes / sizeof(A)]);
+    if (n * static_cast<int64_t>(sizeof(E)) <= kTwoPassRowBytes) {
+      static thread_local const std::unique_ptr<E[]> reused(new E[kTwoPassRowBytes / sizeof(E)]);
       data_ = reused.get();
     } else {
-      owned_.reset(new A[n]);
+      owned_.reset(new E[n]);
       data_ = owned_.get();
     }
   }
-  A* data() const { return data_; }
+  E* data() const { return data_; }
 
  private:
-  std::unique_ptr<A[]> owned_;
-  A* data_ = nullptr;
+  std::unique_ptr<E[]> owned_;
+  E* data_ = nullptr;
 };
 
 template <NormKind K, typename Types>
@@ -464,16 +464,21 @@ struct NormCpu {
 
   // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R. The first pass over a row
   // adds and rounds each element once, writes h from the rounded vectors (streamed like y: h never displaces the
-  // inputs from the cache) and keeps h as acc_t in `kept` (a per-thread row, in cache), which the later passes read.
-  // Without a residual, `kept` is the buffer of converts_once rows (forward_row fills it), else null.
-  // (Re-adding and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16 RMSNorm at D >= 2048
-  // took 1.3-1.6x the unfused pair's CPU time, against 1.0-1.1x so.)
+  // inputs from the cache) and keeps a copy of h in `kept` (a per-thread row, in cache), which the later passes read:
+  // in R, which holds its values exactly and, for half/bfloat16, takes half acc_t's cache room (bfloat16 RMSNorm at
+  // D = 16384: a 32 KiB row instead of 64 KiB). Measured on the 2-core dev VM, bfloat16 forward, 16 MiB of x, fused
+  // time over the unfused pair's in the same process, three processes each, kept as R / as acc_t: RMSNorm D = 4096
+  // 0.86-0.87 / 0.98-1.00, D = 16384 0.86-0.99 / 0.92-1.05; LayerNorm D = 4096 0.93-1.03 / 0.97-1.11; D = 1024 alike.
+  // Without a residual, `kept` is the acc_t buffer of converts_once rows (forward_row fills it), else null. (Re-adding
+  // and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16 RMSNorm at D >= 2048 took 1.3-1.6x
+  // the unfused pair's CPU time, against 1.0-1.1x so.)
   template <bool HasRes>
   struct InputRow {
+    using Kept = std::conditional_t<HasRes, R, A>;
     const T* x;
     const R* residual;
     R* h;
-    A* kept;
+    Kept* kept;
     bool streaming;    // how h is written
     int64_t next_row;  // elements from this row to the next one this thread normalizes; 0: none
 
@@ -492,8 +497,8 @@ struct NormCpu {
         for (const auto i : c10::irange(kU)) v[i] = v[i] + r[i];
         const auto rounded = pack<A, R>(v);  // to R, as torch's add does
         store_packed(h + j, rounded, c, streaming);
+        store_packed(kept + j, rounded, c);
         v = unpack<A, R>(rounded);
-        store_group<A>(kept + j, v, c);
       }
       return v;
     }
@@ -530,7 +535,7 @@ struct NormCpu {
     const bool prefetch = D * static_cast<int64_t>(sizeof(T) + (HasRes ? sizeof(R) : 0)) <= kPrefetchRowBytes;
     const double offset = a.rounding.weight_offset;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
-      const ThreadRow<A, RowUse::kKept> kept(HasRes || converts_once(HasRes, D) ? D : 0);
+      const ThreadRow<typename InputRow<HasRes>::Kept, RowUse::kKept> kept(HasRes || converts_once(HasRes, D) ? D : 0);
       const bool widen = widens_params(end - begin, offset);
       const ThreadRow<A, RowUse::kWeight> weight_row(HasW && converts_param(offset) && !widen ? D : 0);
       const ThreadRow<A, RowUse::kBias> bias_row(HasB && converts_param(0) && !widen ? D : 0);
@@ -637,7 +642,7 @@ struct NormCpu {
                                            A* mean_out, A& rstd_out, bool streaming, bool round) {
     // The first pass over a row reads it through in.load_first; the later ones through `reload`: in.load, or for
     // converts_once rows, in.kept, which the first pass fills, so that each element is converted to acc_t once.
-    A* converted = in.kept;
+    auto* const converted = in.kept;  // acc_t wherever it is used: converts_once rows have no residual
     const auto load = [&](int64_t j, int64_t c) { return in.load(j, c); };
     const auto normalize_reading = [&](const auto& reload, bool fill_converted) {
       const auto first_pass = [&](int64_t j, int64_t c) {
