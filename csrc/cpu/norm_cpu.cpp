@@ -331,20 +331,22 @@ constexpr int64_t kTwoPassRowBytes = 512 * 1024;
 // (float32, one thread, D = 16384 / 65536: 1.34 / 1.16).
 constexpr int64_t kPrefetchRowBytes = 32 * 1024;
 
-// What a thread keeps in a ThreadRow: the row being normalized (InputRow::kept), the weight and the bias as acc_t.
-enum class RowUse { kKept, kWeight, kBias };
+// What a thread keeps in a ThreadRow: the row being normalized (InputRow::kept), the weight and the bias as acc_t; the
+// backward's partial weight/bias gradient rows.
+enum class RowUse { kKept, kWeight, kBias, kPartials };
 
-// A per-thread row of n values of type E, uninitialized, for one RowUse. Rows up to kTwoPassRowBytes reuse one buffer
-// per thread and use for the life of the thread: allocating (and zero-filling) one per call cost more than a call of a
-// few long rows (bfloat16 forward, 4 rows of 131072, converted once then, in a fresh process with default malloc:
-// 0.61 ms against torch's 0.16, each call's 512 KiB row mapped anew and faulted in). Longer rows get one for the call.
-template <typename E, RowUse kUse>
+// A per-thread row of n values of type E, uninitialized, for one RowUse. Rows up to kReusedBytes reuse one buffer per
+// thread and use for the life of the thread (virtual memory until touched): allocating (and zero-filling) one per call
+// cost more than a call of a few long rows (bfloat16 forward, 4 rows of 131072, converted once then, in a fresh process
+// with default malloc: 0.61 ms against torch's 0.16, each call's 512 KiB row mapped anew and faulted in). Longer rows
+// get one for the call.
+template <typename E, RowUse kUse, int64_t kReusedBytes = kTwoPassRowBytes>
 class ThreadRow {
  public:
   explicit ThreadRow(int64_t n) {
     if (n == 0) return;  // no row kept
-    if (n * static_cast<int64_t>(sizeof(E)) <= kTwoPassRowBytes) {
-      static thread_local const std::unique_ptr<E[]> reused(new E[kTwoPassRowBytes / sizeof(E)]);
+    if (n * static_cast<int64_t>(sizeof(E)) <= kReusedBytes) {
+      static thread_local const std::unique_ptr<E[]> reused(new E[kReusedBytes / sizeof(E)]);
       data_ = reused.get();
     } else {
       owned_.reset(new E[n]);
@@ -799,11 +801,13 @@ struct NormCpu {
   static void backward_by_row_chunks(const BackwardArgs& a, const Rows& rows) {
     const int64_t M = a.rows, D = a.cols;
     const int64_t chunks = backward_chunks(M, D);
-    const auto part_options = a.x.options().dtype(c10::CppTypeToScalarType<A>::value);
-    const at::Tensor dw_parts = a.dweight.defined() ? at::empty({chunks, D}, part_options) : at::Tensor();
-    const at::Tensor db_parts = a.dbias.defined() ? at::empty({chunks, D}, part_options) : at::Tensor();
-    A* dw_part = dw_parts.defined() ? dw_parts.mutable_data_ptr<A>() : nullptr;
-    A* db_part = db_parts.defined() ? db_parts.mutable_data_ptr<A>() : nullptr;
+    // The calling thread's buffer, reused: allocated per call, the partials (128 KiB and up) were fresh glibc mappings
+    // faulted in each time (float32 64 x 4096, 2 threads, default malloc: 150 us a backward, 83 with freed memory
+    // kept).
+    const int64_t part_rows = chunks * D;
+    const ThreadRow<A, RowUse::kPartials, kPartialBytes> parts((a.dweight.defined() + a.dbias.defined()) * part_rows);
+    A* dw_part = a.dweight.defined() ? parts.data() : nullptr;
+    A* db_part = a.dbias.defined() ? parts.data() + (a.dweight.defined() ? part_rows : 0) : nullptr;
 
     // Measured: prefetching the next row during the dx pass pays off from 4 KB rows up (smaller ones: the hardware
     // prefetcher keeps up). The forward prefetches in its last pass too (kPrefetchRowBytes).
@@ -946,9 +950,10 @@ struct NormCpu {
 
   // Row chunks of the backward pass, a function of (M, D) only so the gradients don't depend on the thread count:
   // kMinChunks, more for large M (up to 64) while each keeps kRowsPerChunk rows so the partials and their reduction
-  // stay small next to the row pass; dweight + dbias partials capped at 16 MB.
+  // stay small next to the row pass; dweight + dbias partials capped at kPartialBytes.
+  static constexpr int64_t kPartialBytes = int64_t{16} << 20;
   static int64_t backward_chunks(int64_t M, int64_t D) {
-    const int64_t by_memory = (int64_t{16} << 20) / (2 * D * static_cast<int64_t>(sizeof(A)));
+    const int64_t by_memory = kPartialBytes / (2 * D * static_cast<int64_t>(sizeof(A)));
     return std::max<int64_t>(1, std::min({int64_t{64}, by_memory, std::max(kMinChunks, M / kRowsPerChunk)}));
   }
 };
