@@ -10,6 +10,10 @@
 #include "../norm_ops.h"
 #include "emulated_kernels.h"
 
+#ifdef TORCH_LN_EMULATED_COVERAGE
+extern "C" void __gcov_dump();  // libgcov's: writes the counts now; the exit-time write then does nothing
+#endif
+
 namespace torch_ln {
 
 DeviceLimits& emulated_device() {
@@ -91,6 +95,17 @@ void set_block_sample(int64_t blocks) {
 
 std::string take_launch_log() { return emu::take_launch_log(); }
 
+// Writes the gcov counts of a coverage build now (false: not one). At process exit is too late under pytest-xdist,
+// which kills a worker that takes over 10 s to exit (this library's took 3 s here).
+bool dump_coverage() {
+#ifdef TORCH_LN_EMULATED_COVERAGE
+  __gcov_dump();
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Names the tensors whose traffic each launch reports apart (empty: none).
 void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors) {
   TORCH_CHECK(names.size() == tensors.size(), "set_regions: expected a name per tensor, got ", names.size(),
@@ -119,6 +134,7 @@ TORCH_LIBRARY(torch_ln_emulated, m) {
   m.def("racecheck_active", &racecheck_active);
   m.def("set_l2_model", &set_l2_model);
   m.def("take_launch_log", &take_launch_log);
+  m.def("dump_coverage", &dump_coverage);
   m.def("set_regions", &set_regions);
   m.def("set_block_sample", &set_block_sample);
 }

@@ -26,7 +26,7 @@ SOURCES = [
 SANITIZERS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 # -O0 keeps every branch where the source has it (inlined into its callers, a helper's branch would count once per
 # call site). The emulated threads of a launch are fibers on one OS thread: plain counter updates suffice.
-COVERAGE = ["--coverage", "-O0"]
+COVERAGE = ["--coverage", "-O0", "-DTORCH_LN_EMULATED_COVERAGE"]
 COVERAGE_DIR = ROOT / "build" / "torch_ln_emulated_coverage"
 
 
@@ -62,6 +62,12 @@ def load() -> bool:
         verbose=os.environ.get("TORCH_LN_VERBOSE_BUILD") == "1",
     )
     return sanitized
+
+
+def dump_coverage() -> None:
+    """Writes the coverage build's counts now, if this process loaded it (see dump_coverage in emulated_ops.cpp)."""
+    if load.cache_info().currsize and coverage_requested() and not asan_loaded():
+        assert torch.ops.torch_ln_emulated.dump_coverage(), "the coverage build was loaded but has no gcov counts"
 
 
 if __name__ == "__main__":
