@@ -318,7 +318,7 @@ def _all_outputs(norm, x, weight, bias, grad_out, nshape):
 @pytest.mark.parametrize("norm", NORMS)
 def test_deterministic(norm, m, d, dtype, device):
     """Bitwise identical y, dx, dweight and dbias from run to run, and (CPU) whatever the
-    thread count: the weight/bias gradients are summed over row chunks fixed by (M, D) alone."""
+    thread count: the weight/bias gradients are summed over row chunks fixed by (M, D, dtype) alone."""
     x = torch.randn(m, d, device=device).to(dtype)
     grad_out = torch.randn(m, d, device=device).to(dtype)
     weight, bias = make_params(norm, (d,), True, norm.has_bias, dtype, device)

@@ -952,7 +952,7 @@ struct NormCpu {
     });
   }
 
-  // Row chunks of the backward pass, a function of (M, D) only so the gradients don't depend on the thread count:
+  // Row chunks of the backward pass, a function of (M, D, T) only so the gradients don't depend on the thread count:
   // kMinChunks, more for large inputs (up to 64) while each keeps kRowsPerChunk rows and kChunkInputBytes of dy so the
   // partials and their reduction stay small next to the row pass; dweight + dbias partials capped at kPartialBytes.
   static constexpr int64_t kPartialBytes = int64_t{16} << 20;
