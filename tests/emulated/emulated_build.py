@@ -38,12 +38,17 @@ def asan_loaded() -> bool:
     return "libasan" in Path("/proc/self/maps").read_text()
 
 
+def coverage_build() -> bool:
+    """Whether this process builds the coverage library: asked for, and not under ASan (whose checks would count as
+    branches of the kernels)."""
+    return coverage_requested() and not asan_loaded()
+
+
 @functools.cache  # once per process: a second load would register the operator library again, which aborts
 def load() -> bool:
-    """Builds (if needed) and loads the library; returns whether it is sanitized. The coverage build has no
-    sanitizers: their checks would count as branches of the kernels."""
+    """Builds (if needed) and loads the library; returns whether it is sanitized."""
     sanitized = asan_loaded()
-    coverage = coverage_requested() and not sanitized
+    coverage = coverage_build()
     name = "torch_ln_emulated_asan" if sanitized else "torch_ln_emulated"
     build_dir = COVERAGE_DIR if coverage else ROOT / "build" / name
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +71,7 @@ def load() -> bool:
 
 def dump_coverage() -> None:
     """Writes the coverage build's counts now, if this process loaded it (see dump_coverage in emulated_ops.cpp)."""
-    if load.cache_info().currsize and coverage_requested() and not asan_loaded():
+    if load.cache_info().currsize and coverage_build():
         assert torch.ops.torch_ln_emulated.dump_coverage(), "the coverage build was loaded but has no gcov counts"
 
 
