@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
@@ -727,10 +728,11 @@ struct NormCpu {
   }
 
   // Row chunks of the backward: at least kMinChunks for parallelism, more for large M while each keeps
-  // kRowsPerChunk rows and kChunkInputBytes of dy. Each chunk's partial rows are written by one thread and read by
-  // the one that sums them: for small inputs with short rows, cache lines that move between cores each call. Measured
-  // on the 2-core dev VM, float32 backward, 1 MiB, 2 threads, three processes of 15 alternations of the two rules:
-  // D = 256 / 512 (64 / 32 chunks of 16 rows before, 8 now), time now / before, medians 0.92-0.94 / 0.92-0.97.
+  // kRowsPerChunk rows and kChunkInputBytes of dy. The partial rows near the root of the chunk tree (ChunkTree) are
+  // written by one thread and read by another: for small inputs with short rows, cache lines that move between
+  // cores. Measured on the 2-core dev VM, float32 backward, 1 MiB, 2 threads, three processes of 15 alternations of
+  // the two rules: D = 256 / 512 (64 / 32 chunks of 16 rows before, 8 now), time now / before, medians 0.92-0.94 /
+  // 0.92-0.97.
   static constexpr int64_t kMinChunks = 8;
   static constexpr int64_t kRowsPerChunk = 16;
   static constexpr int64_t kChunkInputBytes = 128 * 1024;
@@ -800,7 +802,7 @@ struct NormCpu {
   };
 
   // Each chunk of rows: per row, the gradient means, then dx and the row's dweight/dbias terms added to the chunk's
-  // partial rows; the partials are then summed over chunks in chunk order.
+  // partial rows; the partials are then summed over chunks in a fixed tree (ChunkTree).
   template <bool HasW, bool WantDx>
   static void backward_by_row_chunks(const BackwardArgs& a, const Rows& rows) {
     const int64_t M = a.rows, D = a.cols;
@@ -816,6 +818,7 @@ struct NormCpu {
     // Measured: prefetching the next row during the dx pass pays off from 4 KB rows up (smaller ones: the hardware
     // prefetcher keeps up). The forward prefetches in its last pass too (kPrefetchRowBytes).
     const bool prefetch = D * static_cast<int64_t>(sizeof(T)) >= 4096;
+    ChunkTree tree{chunks, D, {dw_part, db_part}};
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
       for (const auto chunk : c10::irange(chunk_begin, chunk_end)) {
         const int64_t row_begin = chunk * M / chunks, row_end = (chunk + 1) * M / chunks;
@@ -827,18 +830,69 @@ struct NormCpu {
         }
       }
       finish_streaming(rows.streaming);
+      tree.sum_owned(0, chunks, chunk_begin, chunk_end);
     });
 
-    // Sum the partials over chunks in chunk order; columns are independent, so any column split gives the same bits.
+    // The rest of the tree, parallel over columns: columns are independent, so any column split gives the same bits.
+    const int64_t grain = std::max<int64_t>(kStep<A>, kGrainElements / chunks);
     for (const auto& [parts, out] : {std::pair{dw_part, a.dweight}, std::pair{db_part, a.dbias}}) {
       if (parts == nullptr) continue;
       W* out_data = out.template mutable_data_ptr<W>();
-      const int64_t grain = std::max<int64_t>(kStep<A>, kGrainElements / chunks);
-      at::parallel_for(0, D, grain, [&](int64_t begin, int64_t end) {
-        sum_chunks(parts + begin, chunks, D, out_data + begin, end - begin);
-      });
+      at::parallel_for(0, D, grain,
+                       [&](int64_t begin, int64_t end) { tree.sum_root(parts, out_data + begin, begin, end - begin); });
     }
   }
+
+  // The chunks' partial rows are summed in a binary tree whose shape depends on the chunk count only (node [lo, hi)
+  // has children [lo, mid) and [mid, hi), mid = (lo + hi) / 2; its sum goes into row lo), so the bits don't depend
+  // on the thread count. A thread sums the nodes whose chunks it ran itself, while their rows are in its cache; the
+  // rest, near the root, is summed afterwards (sum_root). Why: summed by another thread, every partial row crossed
+  // cores each call (float32 1024 x 256 backward, 2 threads: dweight/dbias alone took 106-116 us in some processes,
+  // 54-64 in others).
+  struct ChunkTree {
+    int64_t chunks, D;
+    std::array<A*, 2> parts;                           // dweight and dbias partial rows (null when not wanted)
+    std::vector<int64_t> summed_end = leaves(chunks);  // row lo holds the sum of chunks [lo, summed_end[lo])
+
+    static std::vector<int64_t> leaves(int64_t chunks) {
+      std::vector<int64_t> end(chunks);
+      std::iota(end.begin(), end.end(), int64_t{1});
+      return end;
+    }
+
+    // Sums, in every partial buffer, the nodes within [lo, hi) whose chunks all lie in [own_begin, own_end).
+    void sum_owned(int64_t lo, int64_t hi, int64_t own_begin, int64_t own_end) {
+      if (hi - lo == 1 || hi <= own_begin || own_end <= lo) return;
+      if (own_begin <= lo && hi <= own_end) {
+        for (A* p : parts) {
+          if (p != nullptr) sum_node(p, lo, hi, p + lo * D, 0, D);
+        }
+        summed_end[lo] = hi;
+        return;
+      }
+      const int64_t mid = (lo + hi) / 2;
+      sum_owned(lo, mid, own_begin, own_end);
+      sum_owned(mid, hi, own_begin, own_end);
+    }
+
+    // out[0, n) = the sum of all chunks' partial rows in columns [j0, j0 + n).
+    void sum_root(A* p, W* out, int64_t j0, int64_t n) const { sum_node(p, 0, chunks, out, j0, n); }
+
+    // out[0, n) = the sum of node [lo, hi)'s partial rows in columns [j0, j0 + n); unsummed children are summed into
+    // their rows first.
+    template <typename Out>
+    void sum_node(A* p, int64_t lo, int64_t hi, Out* out, int64_t j0, int64_t n) const {
+      const A* row = p + lo * D + j0;
+      if (summed_end[lo] == hi) {  // a leaf, or summed by the thread that ran its chunks
+        if (static_cast<const void*>(out) != row) copy_row(row, out, n);
+        return;
+      }
+      const int64_t mid = (lo + hi) / 2;
+      sum_node(p, lo, mid, p + lo * D + j0, j0, n);
+      sum_node(p, mid, hi, p + mid * D + j0, j0, n);
+      add_rows(row, p + mid * D + j0, out, n);
+    }
+  };
 
   // Few rows: the gradient means of every row first (parallel over rows), then dx and dweight/dbias parallel over
   // column blocks, each block's parameter gradients summed over all rows in row order: no partial rows at all.
@@ -863,7 +917,7 @@ struct NormCpu {
                                          dbias ? db_sum : nullptr, r == 0, false);
         }
         for (const auto& [sum, out] : {std::pair{dw_sum, dweight}, std::pair{db_sum, dbias}}) {
-          if (out != nullptr) sum_chunks(sum, 1, kColumnBlock, out + j0, n);  // one "chunk": converted to W
+          if (out != nullptr) copy_row(sum, out + j0, n);
         }
       }
       finish_streaming(rows.streaming);
@@ -940,16 +994,21 @@ struct NormCpu {
     store_group<A>(part, v, c);
   }
 
-  // out[j] = sum over chunks of parts[chunk * D + j], in chunk order, for j in [0, n).
-  TORCH_LN_FLATTEN static void sum_chunks(const A* parts, int64_t chunks, int64_t D, W* out, int64_t n) {
+  // out[j] = a[j] + b[j] for j in [0, n).
+  template <typename Out>
+  TORCH_LN_FLATTEN static void add_rows(const A* a, const A* b, Out* out, int64_t n) {
     for_each_step<A>(n, [&](int64_t j, int64_t c) {
-      Group<A> sum = load_group<A>(parts + j, c);
-      for (const auto chunk : c10::irange(int64_t{1}, chunks)) {
-        const Group<A> p = load_group<A>(parts + chunk * D + j, c);
-        for (const auto i : c10::irange(kU)) sum[i] += p[i];
-      }
+      Group<A> sum = load_group<A>(a + j, c);
+      const Group<A> other = load_group<A>(b + j, c);
+      for (const auto i : c10::irange(kU)) sum[i] += other[i];
       store_group<A>(out + j, sum, c);
     });
+  }
+
+  // out[j] = row[j] (converted to Out) for j in [0, n).
+  template <typename Out>
+  TORCH_LN_FLATTEN static void copy_row(const A* row, Out* out, int64_t n) {
+    for_each_step<A>(n, [&](int64_t j, int64_t c) { store_group<A>(out + j, load_group<A>(row + j, c), c); });
   }
 
   // Row chunks of the backward pass, a function of (M, D, T) only so the gradients don't depend on the thread count:
