@@ -734,6 +734,7 @@ struct NormCpu {
   // the two rules: D = 256 / 512 (64 / 32 chunks of 16 rows before, 8 now), time now / before, medians 0.92-0.94 /
   // 0.92-0.97.
   static constexpr int64_t kMinChunks = 8;
+  static constexpr int64_t kMaxChunks = 64;  // and at most this many (ChunkTree keeps an entry per chunk)
   static constexpr int64_t kRowsPerChunk = 16;
   static constexpr int64_t kChunkInputBytes = 128 * 1024;
   // Below this many rows the chunks' partial rows would be over a quarter of the traffic and of the memory (8 chunks
@@ -811,9 +812,10 @@ struct NormCpu {
     // faulted in each time (float32 64 x 4096, 2 threads, default malloc: 150 us a backward, 83 with freed memory
     // kept).
     const int64_t part_rows = chunks * D;
-    const ThreadRow<A, RowUse::kPartials, kPartialBytes> parts((a.dweight.defined() + a.dbias.defined()) * part_rows);
-    A* dw_part = a.dweight.defined() ? parts.data() : nullptr;
-    A* db_part = a.dbias.defined() ? parts.data() + (a.dweight.defined() ? part_rows : 0) : nullptr;
+    const ThreadRow<A, RowUse::kPartials, kPartialBytes> partial_buffer((a.dweight.defined() + a.dbias.defined()) *
+                                                                        part_rows);
+    A* dw_part = a.dweight.defined() ? partial_buffer.data() : nullptr;
+    A* db_part = a.dbias.defined() ? partial_buffer.data() + (a.dweight.defined() ? part_rows : 0) : nullptr;
 
     // Measured: prefetching the next row during the dx pass pays off from 4 KB rows up (smaller ones: the hardware
     // prefetcher keeps up). The forward prefetches in its last pass too (kPrefetchRowBytes).
@@ -835,11 +837,12 @@ struct NormCpu {
 
     // The rest of the tree, parallel over columns: columns are independent, so any column split gives the same bits.
     const int64_t grain = std::max<int64_t>(kStep<A>, kGrainElements / chunks);
-    for (const auto& [parts, out] : {std::pair{dw_part, a.dweight}, std::pair{db_part, a.dbias}}) {
-      if (parts == nullptr) continue;
+    for (const auto& [gradient_parts, out] : {std::pair{dw_part, a.dweight}, std::pair{db_part, a.dbias}}) {
+      if (gradient_parts == nullptr) continue;
       W* out_data = out.template mutable_data_ptr<W>();
-      at::parallel_for(0, D, grain,
-                       [&](int64_t begin, int64_t end) { tree.sum_root(parts, out_data + begin, begin, end - begin); });
+      at::parallel_for(0, D, grain, [&](int64_t begin, int64_t end) {
+        tree.sum_root(gradient_parts, out_data + begin, begin, end - begin);
+      });
     }
   }
 
@@ -851,20 +854,19 @@ struct NormCpu {
   // 54-64 in others).
   struct ChunkTree {
     int64_t chunks, D;
-    std::array<A*, 2> parts;                           // dweight and dbias partial rows (null when not wanted)
-    std::vector<int64_t> summed_end = leaves(chunks);  // row lo holds the sum of chunks [lo, summed_end[lo])
-
-    static std::vector<int64_t> leaves(int64_t chunks) {
-      std::vector<int64_t> end(chunks);
+    std::array<A*, 2> partials;  // dweight and dbias partial rows (null when not wanted)
+    // Row lo holds the sum of chunks [lo, summed_end[lo]): at first, each row its own chunk's.
+    std::array<int64_t, kMaxChunks> summed_end = [] {
+      std::array<int64_t, kMaxChunks> end{};
       std::iota(end.begin(), end.end(), int64_t{1});
       return end;
-    }
+    }();
 
     // Sums, in every partial buffer, the nodes within [lo, hi) whose chunks all lie in [own_begin, own_end).
     void sum_owned(int64_t lo, int64_t hi, int64_t own_begin, int64_t own_end) {
       if (hi - lo == 1 || hi <= own_begin || own_end <= lo) return;
       if (own_begin <= lo && hi <= own_end) {
-        for (A* p : parts) {
+        for (A* p : partials) {
           if (p != nullptr) sum_node(p, lo, hi, p + lo * D, 0, D);
         }
         summed_end[lo] = hi;
@@ -1012,13 +1014,14 @@ struct NormCpu {
   }
 
   // Row chunks of the backward pass, a function of (M, D, T) only so the gradients don't depend on the thread count:
-  // kMinChunks, more for large inputs (up to 64) while each keeps kRowsPerChunk rows and kChunkInputBytes of dy so the
-  // partials and their reduction stay small next to the row pass; dweight + dbias partials capped at kPartialBytes.
+  // kMinChunks, more for large inputs (up to kMaxChunks) while each keeps kRowsPerChunk rows and kChunkInputBytes of dy
+  // so the partials and their reduction stay small next to the row pass; dweight + dbias partials capped at
+  // kPartialBytes.
   static constexpr int64_t kPartialBytes = int64_t{16} << 20;
   static int64_t backward_chunks(int64_t M, int64_t D) {
     const int64_t by_memory = kPartialBytes / (2 * D * static_cast<int64_t>(sizeof(A)));
     const int64_t by_size = std::min(M / kRowsPerChunk, M * D * static_cast<int64_t>(sizeof(T)) / kChunkInputBytes);
-    return std::max<int64_t>(1, std::min({int64_t{64}, by_memory, std::max(kMinChunks, by_size)}));
+    return std::max<int64_t>(1, std::min({kMaxChunks, by_memory, std::max(kMinChunks, by_size)}));
   }
 };
 
