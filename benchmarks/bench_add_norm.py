@@ -245,16 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ):
                     harness.print_row(row)
                     results.append(row)
-    for row in results:
-        if row.check != "ok":
-            print(f"FLAGGED: {row.provider} {row.dtype} {row.mode} D={row.D}: {row.check}")
+    harness.flag_inaccurate(results)
     passed = summarize(results) and all(r.check == "ok" for r in results if r.provider == "fused")
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / f"add_{args.op}_{args.device}.csv"
-    harness.write_csv(results, csv_path)
-    print(f"\nwrote {csv_path}")
-    for path in harness.plot(results, copy_gbps, args.out, harness.device_name(args.device)):
-        print(f"wrote {path}")
+    harness.write_outputs(results, args.out / f"add_{args.op}_{args.device}.csv", copy_gbps, args.device)
     return 0 if passed else 1
 
 

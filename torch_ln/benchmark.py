@@ -454,6 +454,22 @@ def print_legend() -> None:
     )
 
 
+def flag_inaccurate(results: Sequence[Result]) -> None:
+    """Prints a FLAGGED line for each row whose accuracy check failed."""
+    for row in results:
+        if row.check != "ok":
+            print(f"FLAGGED: {row.provider} {row.dtype} {row.mode} D={row.D}: {row.check}")
+
+
+def write_outputs(results: Sequence[Result], csv_path: Path, copy_gbps: float, device: str) -> None:
+    """Writes the CSV and, beside it, the plots."""
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(results, csv_path)
+    print(f"\nwrote {csv_path}")
+    for path in plot(results, copy_gbps, csv_path.parent, device_name(device)):
+        print(f"wrote {path}")
+
+
 def write_csv(results: Sequence[Result], path: Path) -> None:
     """One row per (dtype, mode, D, provider); peak memory columns are empty where unmeasured."""
     with path.open("w", newline="") as file:
@@ -605,17 +621,9 @@ def cli(op: str, argv: Sequence[str] | None = None) -> int:
         op, args.device, [DTYPES[d] for d in dtypes], args.modes, sizes, providers, case_bytes, timing, copy_gbps
     )
     print_legend()
-    for row in results:
-        if row.check != "ok":
-            print(f"FLAGGED: {row.provider} {row.dtype} {row.mode} D={row.D}: {row.check}")
+    flag_inaccurate(results)
     passed = summarize(results) and all(r.check == "ok" for r in results if r.provider == "torch_ln")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    csv_path = args.out / f"{op}_{args.device}.csv"
-    write_csv(results, csv_path)
-    print(f"\nwrote {csv_path}")
-    for path in plot(results, copy_gbps, args.out, device_name(args.device)):
-        print(f"wrote {path}")
+    write_outputs(results, args.out / f"{op}_{args.device}.csv", copy_gbps, args.device)
     if args.device == "cpu":
         print("peak memory: n/a on the CPU (torch keeps no CPU allocator statistics)")
     return 0 if passed else 1
