@@ -1,0 +1,64 @@
+"""The benchmark scripts run end to end on the CPU and write a CSV of what they measured.
+
+A smoke run at a tiny size: it checks that each script runs, covers the cases it was asked for, and that
+torch_ln's (or the fused op's) results pass the script's own accuracy check. Speed is not judged here (the scripts'
+exit status includes their speed bar, which a loaded CI machine may miss): only the CSV is read.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# D = 1000: rows that end in a partial vector step.
+TINY = ["--device", "cpu", "--quick", "--D", "256", "1000", "--bytes", "64KiB", "--dtypes", "float32", "bfloat16"]
+
+
+def _run(script: str, args: list[str], out: Path) -> list[dict[str, str]]:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]  # 1: a speed bar missed
+    (csv_path,) = out.glob("*.csv")
+    with csv_path.open() as file:
+        return list(csv.DictReader(file))
+
+
+def _check_rows(rows: list[dict[str, str]], checked: str, providers: set[str]) -> None:
+    # Every (dtype, mode, D) asked for, once per provider.
+    cases = {(r["dtype"], r["mode"], r["D"]) for r in rows}
+    assert cases == {(d, m, D) for d in ("float32", "bfloat16") for m in ("fwd", "fwd+bwd") for D in ("256", "1000")}
+    assert {r["provider"] for r in rows} == providers
+    assert len(rows) == len(cases) * len(providers)
+    for row in rows:
+        assert float(row["ms"]) > 0 and math.isfinite(float(row["gbps"])), row
+        if row["provider"] == checked:
+            assert row["check"] == "ok", row
+
+
+@pytest.mark.parametrize("script, op", [("bench_layer_norm.py", "layer_norm"), ("bench_rms_norm.py", "rms_norm")])
+def test_norm_benchmark(tmp_path, script, op):
+    rows = _run(script, [*TINY, "--modes", "fwd", "fwd+bwd", "--providers", "torch_ln", "torch"], tmp_path)
+    assert {r["op"] for r in rows} == {op}
+    _check_rows(rows, "torch_ln", {"torch_ln", "torch"})
+
+
+def test_add_norm_benchmark(tmp_path):
+    # Without the compiled pair: torch.compile would take minutes here (its own tests are in test_compile.py).
+    args = [*TINY, "--op", "layer_norm", "--modes", "fwd", "fwd+bwd", "--providers", "fused", "torch_ln_pair"]
+    rows = _run("bench_add_norm.py", args, tmp_path)
+    assert {r["op"] for r in rows} == {"add_layer_norm"}
+    _check_rows(rows, "fused", {"torch", "fused", "torch_ln_pair"})
