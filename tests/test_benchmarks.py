@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# D = 1000: rows that end in a partial vector step.
-TINY = ["--device", "cpu", "--quick", "--D", "256", "1000", "--bytes", "64KiB", "--dtypes", "float32", "bfloat16"]
+DTYPES = ("float32", "bfloat16")
+SIZES = ("256", "1000")  # 1000: rows that end in a partial vector step
+MODES = ("fwd", "fwd+bwd")
+TINY = ["--device", "cpu", "--quick", "--bytes", "64KiB", "--D", *SIZES, "--dtypes", *DTYPES, "--modes", *MODES]
 
 
 def _run(script: str, args: list[str], out: Path) -> list[dict[str, str]]:
@@ -40,7 +42,7 @@ def _run(script: str, args: list[str], out: Path) -> list[dict[str, str]]:
 def _check_rows(rows: list[dict[str, str]], checked: str, providers: set[str]) -> None:
     # Every (dtype, mode, D) asked for, once per provider.
     cases = {(r["dtype"], r["mode"], r["D"]) for r in rows}
-    assert cases == {(d, m, D) for d in ("float32", "bfloat16") for m in ("fwd", "fwd+bwd") for D in ("256", "1000")}
+    assert cases == {(dtype, mode, D) for dtype in DTYPES for mode in MODES for D in SIZES}
     assert {r["provider"] for r in rows} == providers
     assert len(rows) == len(cases) * len(providers)
     for row in rows:
@@ -51,14 +53,14 @@ def _check_rows(rows: list[dict[str, str]], checked: str, providers: set[str]) -
 
 @pytest.mark.parametrize("script, op", [("bench_layer_norm.py", "layer_norm"), ("bench_rms_norm.py", "rms_norm")])
 def test_norm_benchmark(tmp_path, script, op):
-    rows = _run(script, [*TINY, "--modes", "fwd", "fwd+bwd", "--providers", "torch_ln", "torch"], tmp_path)
+    rows = _run(script, [*TINY, "--providers", "torch_ln", "torch"], tmp_path)
     assert {r["op"] for r in rows} == {op}
     _check_rows(rows, "torch_ln", {"torch_ln", "torch"})
 
 
 def test_add_norm_benchmark(tmp_path):
     # Without the compiled pair: torch.compile would take minutes here (its own tests are in test_compile.py).
-    args = [*TINY, "--op", "layer_norm", "--modes", "fwd", "fwd+bwd", "--providers", "fused", "torch_ln_pair"]
+    args = [*TINY, "--op", "layer_norm", "--providers", "fused", "torch_ln_pair"]
     rows = _run("bench_add_norm.py", args, tmp_path)
     assert {r["op"] for r in rows} == {"add_layer_norm"}
     _check_rows(rows, "fused", {"torch", "fused", "torch_ln_pair"})
