@@ -1,6 +1,6 @@
 """Builds torch_ln/lib/libtorch_ln.so, the operator library (no Python in it: C++ programs link it through the CMake
 package in torch_ln/share/cmake, and `import torch_ln` loads it): the CPU kernels always, the CUDA kernels whenever
-nvcc and a CUDA build of torch are present.
+nvcc and a CUDA build of torch are present; and torch_ln._C, the Python module that calls its operators directly.
 
 Environment:
   TORCH_LN_FORCE_CPU=1    build the CPU-only extension even where CUDA could be built
@@ -32,11 +32,12 @@ if _find_cuda_home():
 
 import torch
 from setuptools import setup
-from setuptools.command.bdist_wheel import bdist_wheel
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 # Not a Python module: a plain shared library, found by torch_ln/_extension.py and torch_lnConfig.cmake.
 LIBRARY = "torch_ln.lib.libtorch_ln"
+# The Python module of eager calls (csrc/python), linked against LIBRARY.
+MODULE = "torch_ln._C"
 
 
 def _with_cuda() -> bool:
@@ -99,12 +100,33 @@ def _write_build_info() -> None:
     )
 
 
-class PythonIndependentWheel(bdist_wheel):
-    """The wheel holds no Python extension module, so any Python 3 can use it; it is tied to one torch version
-    (the install requirement below) and one platform instead."""
+def _module():
+    # $ORIGIN/lib: the operator library beside the module in the package (already loaded by then; found for the link
+    # by BuildExtensions).
+    return CppExtension(
+        MODULE,
+        ["csrc/python/module.cpp"],
+        include_dirs=[str(ROOT / "torch_ln" / "include")],
+        libraries=["torch_ln"],
+        extra_compile_args={"cxx": ["-O3"]},
+        extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
+    )
 
-    def get_tag(self):
-        return "py3", "none", super().get_tag()[2]
+
+class BuildExtensions(BuildExtension):
+    """The operator library keeps its plain name (C++ programs and CMake find libtorch_ln.so); the Python module,
+    built after it, links against it where it was just built."""
+
+    def get_ext_filename(self, ext_name):
+        filename = super().get_ext_filename(ext_name)
+        # ext_name: the full name, or only its last part (when setuptools asks for the output path).
+        is_library = ext_name.split(".")[-1] == LIBRARY.split(".")[-1]
+        return str(Path(filename).with_name("libtorch_ln.so")) if is_library else filename
+
+    def build_extension(self, ext):
+        if ext.name == MODULE:
+            ext.library_dirs.append(str(Path(self.get_ext_fullpath(LIBRARY)).parent))
+        super().build_extension(ext)
 
 
 ext = _extension()
@@ -112,13 +134,10 @@ _write_build_info()
 # build_ext --inplace (an editable install) copies the library here, but does not create the folder.
 (ROOT / "torch_ln" / "lib").mkdir(exist_ok=True)
 setup(
-    ext_modules=[ext],
+    ext_modules=[ext, _module()],
     # A binary extension works with the torch it was compiled against, and no other. The public version only: pip
     # rejects a local label (+cu130) against the index's torch and the torch<=X caps some installations carry;
     # import torch_ln still checks the full version (CUDA or CPU build) and says how to rebuild.
     install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
-    cmdclass={
-        "build_ext": BuildExtension.with_options(use_ninja=True, no_python_abi_suffix=True),
-        "bdist_wheel": PythonIndependentWheel,
-    },
+    cmdclass={"build_ext": BuildExtensions.with_options(use_ninja=True)},
 )

@@ -1,5 +1,6 @@
 """Per-call overhead of a small LayerNorm on the CPU: torch_ln's eager path (public function, module, the operator
-called directly) against torch's, forward alone and forward + backward, inputs that require grad.
+called directly through torch.ops and through its binding in torch_ln._C) against torch's, forward alone and forward +
+backward, inputs that require grad.
 
 Thread CPU time (time.thread_time_ns) over batches of calls, one intra-op thread so that the calling thread does all
 the work: on a shared machine wall time counts other processes' time too. Providers are interleaved batch by batch;
@@ -28,6 +29,7 @@ def providers(d: int, dtype: torch.dtype) -> dict:
     return {
         "torch": lambda x: torch.nn.functional.layer_norm(x, (d,), weight, bias),
         "op": lambda x: op(x, [d], weight, bias, 1e-5),
+        "_C": lambda x: torch_ln._C.layer_norm(x, [d], weight, bias, 1e-5),
         "torch_ln": lambda x: torch_ln.layer_norm(x, (d,), weight, bias),
         "torch_ln.LayerNorm": our_module,
         "nn.LayerNorm": torch_module,

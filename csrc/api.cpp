@@ -104,10 +104,10 @@ at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
 }
 
 at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                    std::optional<double> eps) {
+                    std::optional<double> eps, double weight_offset, bool round_normalized) {
   static const auto op = find_operator<at::Tensor(const at::Tensor&, at::IntArrayRef, const OptTensor&,
                                                   std::optional<double>, double, bool)>("torch_ln::rms_norm");
-  return op.call(input, normalized_shape, weight, eps, 0.0, false);
+  return op.call(input, normalized_shape, weight, eps, weight_offset, round_normalized);
 }
 
 Tensor2 add_layer_norm(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,

@@ -3,6 +3,7 @@ header and the CMake package) where torch_ln.cmake_prefix_path() says."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,3 +40,37 @@ def test_missing_library_error_says_how_to_build(monkeypatch, tmp_path):
     monkeypatch.setattr(_extension, "LIBRARY", tmp_path / "libtorch_ln.so")
     with pytest.raises(ImportError, match="is missing; build it from the repository root with: pip install"):
         _extension.load()
+
+
+def test_missing_module_error_says_how_to_build(monkeypatch):
+    monkeypatch.setattr(_extension, "_module_file", lambda: None)
+    with pytest.raises(ImportError, match="_C is missing from .* build it from the repository root with: pip install"):
+        _extension.load()
+
+
+def test_each_artifact_is_checked_against_its_own_sources(monkeypatch, tmp_path):
+    # Regression: a rebuild after a change to csrc/python relinks only the module; the library keeps its older time
+    # and must not be called stale for that source, nor the module for the library's sources.
+    package = tmp_path / "torch_ln"
+    files = {
+        "library": package / "lib" / "libtorch_ln.so",
+        "module": package / "_C.so",
+        "kernel": tmp_path / "csrc" / "cpu" / "norm_cpu.cpp",
+        "binding": tmp_path / "csrc" / "python" / "module.cpp",
+        "header": package / "include" / "torch_ln" / "torch_ln.h",
+        "emulator": tmp_path / "csrc" / "emulated" / "simt.cpp",
+    }
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    monkeypatch.setattr(_extension, "PACKAGE_DIR", package)
+
+    def stale(**times: int) -> list[str]:
+        for name, path in files.items():
+            os.utime(path, (times.get(name, 0), times.get(name, 0)))
+        return _extension._sources_newer_than(files["library"], files["module"])
+
+    assert stale(library=10, module=20, binding=15, kernel=5, header=5, emulator=30) == []
+    assert stale(library=10, module=20, binding=25) == ["csrc/python/module.cpp"]
+    assert stale(library=10, module=20, kernel=15) == ["csrc/cpu/norm_cpu.cpp"]
+    assert stale(library=10, module=20, header=15) == ["torch_ln/include/torch_ln/torch_ln.h"]

@@ -1,8 +1,10 @@
-"""Loads the compiled operator library (lib/libtorch_ln.so, shared with C++ programs), with an error that says how
-to build it; and where its C++ side (header, CMake package) lies."""
+"""Loads the compiled operator library (lib/libtorch_ln.so, shared with C++ programs) and the Python module of
+eager calls (_C), with an error that says how to build them; and where the C++ side (header, CMake package) lies."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import os
 from pathlib import Path
 
@@ -11,21 +13,33 @@ import torch
 _BUILD_HINT = "build it from the repository root with: pip install --no-build-isolation -e ."
 PACKAGE_DIR = Path(__file__).resolve().parent
 LIBRARY = PACKAGE_DIR / "lib" / "libtorch_ln.so"
+MODULE_SOURCES = "python"  # csrc/python: the module _C's sources
 
 
-def _sources_newer_than(library: Path) -> list[str]:
-    # Only a source checkout (editable install) has csrc/ beside the package; the public header is a source too.
-    # csrc/emulated is the test-only SIMT emulator, not part of the library.
+def _module_file() -> Path | None:
+    # torch_ln/_C<this Python's extension suffix>.
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (PACKAGE_DIR / f"_C{suffix}").exists():
+            return PACKAGE_DIR / f"_C{suffix}"
+    return None
+
+
+def _sources_newer_than(library: Path, module: Path) -> list[str]:
+    # Only a source checkout (editable install) has csrc/ beside the package; the public header is a source of both.
+    # csrc/emulated is the test-only SIMT emulator, part of neither.
     root = PACKAGE_DIR.parent
     if not (root / "csrc").is_dir():
         return []
-    built = library.stat().st_mtime
-    emulated = root / "csrc" / "emulated"
-    sources = [
-        *(p for p in (root / "csrc").rglob("*") if emulated not in p.parents),
-        *(PACKAGE_DIR / "include").rglob("*"),
-    ]
-    return sorted(str(p.relative_to(root)) for p in sources if p.is_file() and p.stat().st_mtime > built)
+    emulated, module_sources = root / "csrc" / "emulated", root / "csrc" / MODULE_SOURCES
+    sources = [p for p in (root / "csrc").rglob("*") if p.is_file() and emulated not in p.parents]
+    headers = [p for p in (PACKAGE_DIR / "include").rglob("*") if p.is_file()]
+
+    def newer(paths: list[Path], built: Path) -> list[Path]:
+        return [p for p in paths if p.stat().st_mtime > built.stat().st_mtime]
+
+    stale = newer([p for p in sources if module_sources not in p.parents] + headers, library)
+    stale += newer([p for p in sources if module_sources in p.parents] + headers, module)
+    return sorted({str(p.relative_to(root)) for p in stale})
 
 
 def load() -> None:
@@ -41,7 +55,12 @@ def load() -> None:
         )
     if not LIBRARY.exists():
         raise ImportError(f"torch_ln's compiled library {LIBRARY} is missing; {_BUILD_HINT}")
-    stale = [] if os.environ.get("TORCH_LN_ALLOW_STALE") else _sources_newer_than(LIBRARY)
+    module = _module_file()
+    if module is None:
+        raise ImportError(
+            f"torch_ln's Python module _C is missing from {PACKAGE_DIR} (built for another Python?); {_BUILD_HINT}"
+        )
+    stale = [] if os.environ.get("TORCH_LN_ALLOW_STALE") else _sources_newer_than(LIBRARY, module)
     if stale:
         raise ImportError(
             f"torch_ln's compiled library is older than its sources ({', '.join(stale[:5])}); {_BUILD_HINT} "
@@ -51,6 +70,7 @@ def load() -> None:
         torch.ops.load_library(LIBRARY)
     except OSError as error:
         raise ImportError(f"torch_ln's compiled library cannot be loaded ({error}); {_BUILD_HINT}") from error
+    importlib.import_module("torch_ln._C")  # after the library: it links against it
 
 
 def cuda_compiled() -> bool:

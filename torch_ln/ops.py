@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torch_ln import _transforms, reference
+from torch_ln import _C, _transforms, reference
 
 __all__ = ["add_layer_norm", "add_rms_norm", "empty_output_cache", "layer_norm", "output_cache_bytes", "rms_norm"]
 
@@ -22,9 +22,6 @@ _is_compiling = torch.compiler.is_compiling
 _functorch_transforms_active = torch._C._are_functorch_transforms_active
 _autocast_enabled = torch._C._is_any_autocast_enabled
 _forward_ad_active = _transforms._forward_ad_active
-# The eager operators, called through their C++ entry (OpOverload._op): OpOverload.__call__ adds a Python frame
-# (~0.5 us a call) for a check that only applies to operators defined in Python.
-_EAGER = {name: getattr(_ops, name).default for name in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")}
 
 
 def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
@@ -32,8 +29,8 @@ def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
 
 
 def _eager(input: Tensor, *others: Tensor | None) -> bool:
-    """Whether a call takes the eager operators (torch_ln::layer_norm, ...: autograd in C++, csrc/autograd.cpp)
-    rather than the *_fwd operators, whose autograd, jvp, vmap rule and autocast rule are registered in Python.
+    """Whether a call takes the eager operators (torch_ln::layer_norm, ...: autograd in C++, csrc/autograd.cpp),
+    through their typed bindings in torch_ln._C (csrc/python), rather than the *_fwd operators, whose autograd, jvp, vmap rule and autocast rule are registered in Python.
 
     The Python path costs ~20 us a call more (a Python autograd.Function: measured on the 2-core dev VM, 4x1024
     float32 with inputs that require grad, 42 us against 7 for torch's layer_norm), a fifth of a 1 MiB norm.
@@ -63,10 +60,9 @@ def layer_norm(
     bfloat16 inputs may come with float32 ``weight``/``bias`` (the output keeps the
     input's dtype); statistics are accumulated in float32 (float64 for float64 input).
     """
-    shape = _as_shape(normalized_shape)
     if _eager(input, weight, bias):
-        return _EAGER["layer_norm"]._op(input, shape, weight, bias, eps)
-    return _ops.layer_norm_fwd.default(input, shape, weight, bias, eps)[0]
+        return _C.layer_norm(input, normalized_shape, weight, bias, eps)
+    return _ops.layer_norm_fwd.default(input, _as_shape(normalized_shape), weight, bias, eps)[0]
 
 
 def rms_norm(
@@ -93,9 +89,9 @@ def rms_norm(
       The backward follows the same rounding: ``dy * weight`` is rounded to the input's dtype,
       and the weight gradient sums ``dy * rounded_xhat`` rounded to the input's dtype.
     """
-    shape = _as_shape(normalized_shape)
     if _eager(input, weight):
-        return _EAGER["rms_norm"]._op(input, shape, weight, eps, weight_offset, round_normalized)
+        return _C.rms_norm(input, normalized_shape, weight, eps, weight_offset, round_normalized)
+    shape = _as_shape(normalized_shape)
     return _ops.rms_norm_fwd.default(input, shape, weight, eps, weight_offset, round_normalized)[0]
 
 
@@ -116,10 +112,10 @@ def add_layer_norm(
     are new tensors. The gradient of ``x`` and of ``residual`` is the same: that of ``residual_out``
     through the norm plus the incoming gradient of ``residual_out``.
     """
-    args = (x, residual, _as_shape(normalized_shape), weight, bias, eps, residual_dtype)
     if _eager(x, residual, weight, bias):
-        return _EAGER["add_layer_norm"]._op(*args)
-    y, residual_out, _, _ = _ops.add_layer_norm_fwd.default(*args)
+        return _C.add_layer_norm(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
+    shape = _as_shape(normalized_shape)
+    y, residual_out, _, _ = _ops.add_layer_norm_fwd.default(x, residual, shape, weight, bias, eps, residual_dtype)
     return y, residual_out
 
 
@@ -132,10 +128,11 @@ def add_rms_norm(
     residual_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Residual add and RMS normalization in one pass: returns ``(y, residual_out)``, as :func:`add_layer_norm`."""
-    args = (x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype)
     if _eager(x, residual, weight):
-        return _EAGER["add_rms_norm"]._op(*args)
-    y, residual_out, _ = _ops.add_rms_norm_fwd.default(*args)
+        return _C.add_rms_norm(x, residual, normalized_shape, weight, eps, residual_dtype)
+    y, residual_out, _ = _ops.add_rms_norm_fwd.default(
+        x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype
+    )
     return y, residual_out
 
 

@@ -29,9 +29,11 @@ TORCH_LN_API at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef norm
                                    const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
 
 // As torch::rms_norm; eps = nullopt is torch's default, the machine epsilon of the accumulation dtype.
+// weight_offset and round_normalized reproduce Gemma's and Llama's rounding, as in Python's torch_ln.rms_norm.
 TORCH_LN_API at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                  const std::optional<at::Tensor>& weight = std::nullopt,
-                                 std::optional<double> eps = std::nullopt);
+                                 std::optional<double> eps = std::nullopt, double weight_offset = 0.0,
+                                 bool round_normalized = false);
 
 // Residual add and norm in one pass: (y, residual_out) with residual_out = input + residual in residual_dtype
 // (default: input's dtype; float32 with half/bfloat16 input) and y = layer_norm(residual_out) in input's dtype.
