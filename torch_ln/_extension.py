@@ -35,7 +35,8 @@ def _sources_newer_than(library: Path, module: Path) -> list[str]:
     headers = [p for p in (PACKAGE_DIR / "include").rglob("*") if p.is_file()]
 
     def newer(paths: list[Path], built: Path) -> list[Path]:
-        return [p for p in paths if p.stat().st_mtime > built.stat().st_mtime]
+        built_at = built.stat().st_mtime
+        return [p for p in paths if p.stat().st_mtime > built_at]
 
     stale = newer([p for p in sources if module_sources not in p.parents] + headers, library)
     stale += newer([p for p in sources if module_sources in p.parents] + headers, module)
@@ -63,7 +64,7 @@ def load() -> None:
     stale = [] if os.environ.get("TORCH_LN_ALLOW_STALE") else _sources_newer_than(LIBRARY, module)
     if stale:
         raise ImportError(
-            f"torch_ln's compiled library is older than its sources ({', '.join(stale[:5])}); {_BUILD_HINT} "
+            f"torch_ln's compiled artifacts are older than their sources ({', '.join(stale[:5])}); {_BUILD_HINT} "
             "(or set TORCH_LN_ALLOW_STALE=1 to load it anyway)"
         )
     try:

@@ -30,7 +30,8 @@ def _as_shape(normalized_shape: int | Sequence[int] | torch.Size) -> list[int]:
 
 def _eager(input: Tensor, *others: Tensor | None) -> bool:
     """Whether a call takes the eager operators (torch_ln::layer_norm, ...: autograd in C++, csrc/autograd.cpp),
-    through their typed bindings in torch_ln._C (csrc/python), rather than the *_fwd operators, whose autograd, jvp, vmap rule and autocast rule are registered in Python.
+    through their typed bindings in torch_ln._C (csrc/python), rather than the *_fwd operators, whose autograd, jvp,
+    vmap rule and autocast rule are registered in Python.
 
     The Python path costs ~20 us a call more (a Python autograd.Function: measured on the 2-core dev VM, 4x1024
     float32 with inputs that require grad, 42 us against 7 for torch's layer_norm), a fifth of a 1 MiB norm.

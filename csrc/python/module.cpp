@@ -1,6 +1,7 @@
 // torch_ln._C: the differentiable operators (csrc/api.cpp) bound for Python's eager calls. torch.ops' generic entry
-// converts each argument by the schema and calls the operator boxed (~2 us a call on the dev VM); a typed binding
-// reaches the same operator, through the same dispatcher, for ~0.5 us (see the README's per-call overhead).
+// converts each argument by the schema and calls the operator boxed; a typed binding reaches the same operator,
+// through the same dispatcher, for less: a 4x8 float32 layer_norm took 5.6 us through torch.ops and 3.4 us bound
+// here on the dev VM (see the README's per-call overhead).
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/utils/python_numbers.h>
 #include <torch/extension.h>
