@@ -65,7 +65,7 @@ def load() -> None:
     if stale:
         raise ImportError(
             f"torch_ln's compiled artifacts are older than their sources ({', '.join(stale[:5])}); {_BUILD_HINT} "
-            "(or set TORCH_LN_ALLOW_STALE=1 to load it anyway)"
+            "(or set TORCH_LN_ALLOW_STALE=1 to load them anyway)"
         )
     try:
         torch.ops.load_library(LIBRARY)

@@ -1,5 +1,5 @@
 """The fused forward against its parts in one process: the unfused pair, torch's add, torch_ln's norm of h, and two
-clones of x (the fused op's bytes: two tensors read, two written). Milliseconds per call, 2 threads.
+clones, of x and of residual (the fused op's bytes: two tensors read, two written). Milliseconds per call, 2 threads.
 
     PYTHONPATH=<checkout> python fused_parts.py --mib 16 --ops ln --dtypes float32 bfloat16   # and --mib 64, --ops rms
 """
