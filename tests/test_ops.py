@@ -347,7 +347,7 @@ def test_batch_invariance(norm, d, dtype, device):
     weight, bias = make_params(norm, (d,), True, norm.has_bias, dtype, device)
     alone = _all_outputs(norm, row, weight, bias, grad_row, (d,))
     # On the CPU, forward tasks of up to 8 rows widen bfloat16 parameters as they read them, larger ones convert them
-    # into float rows first (kWidenParamRows in csrc/cpu/norm_cpu.cpp): 1, 2 and 7 rows against 64 and 1031.
+    # into float rows first (kWidenParamRows in csrc/cpu/norm_cpu_kernels.h): 1, 2 and 7 rows against 64 and 1031.
     for batch in (2, 7, 64, 1031):
         for position in sorted({0, batch // 2, batch - 1}):
             x = torch.randn(batch, d, device=device).to(dtype)
@@ -361,7 +361,7 @@ def test_batch_invariance(norm, d, dtype, device):
 
 
 # The CPU kernels write y and dx with streaming stores once a call's rows (x and y; x, dy and dx) exceed 16 MiB
-# (csrc/cpu/norm_cpu.cpp, kStreamingRowBytes); the other CPU tests are below that size.
+# (csrc/cpu/norm_cpu_kernels.h, kStreamingRowBytes); the other CPU tests are below that size.
 STREAMING_ROW_BYTES = 16 * 2**20
 
 
@@ -387,7 +387,7 @@ def test_streaming_stores(norm, d, dtype):
         assert torch.equal(ours[name][rows], small[name]), f"streamed {name} differs from the cached stores' {name}"
 
 
-# The CPU backward splits columns below 32 rows and sums per-chunk partial rows from 32 on (csrc/cpu/norm_cpu.cpp,
+# The CPU backward splits columns below 32 rows and sums per-chunk partial rows from 32 on (csrc/cpu/norm_cpu_kernels.h,
 # kMinRowsForChunks); the parity shapes sit far from that boundary.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

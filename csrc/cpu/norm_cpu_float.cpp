@@ -1,0 +1,9 @@
+// The CPU kernels for float32 and float64 input (with parameters and rows of the same dtype).
+#include "norm_cpu_kernels.h"
+
+namespace torch_ln {
+
+TORCH_LN_DEFINE_CPU_KERNELS(float, float)
+TORCH_LN_DEFINE_CPU_KERNELS(double, double)
+
+}  // namespace torch_ln
