@@ -64,3 +64,21 @@ def test_add_norm_benchmark(tmp_path):
     rows = _run("bench_add_norm.py", args, tmp_path)
     assert {r["op"] for r in rows} == {"add_layer_norm"}
     _check_rows(rows, "fused", {"torch", "fused", "torch_ln_pair"})
+
+
+def test_environment_ab_times_each_setting_under_its_value(monkeypatch):
+    from torch_ln import benchmark as harness
+
+    monkeypatch.setenv("TLN_TEST_SETTING", "before")  # restored (removed) after the test
+    seen = []
+    settings = {"old": "0", "new": "1"}
+    times = harness.environment_ab(
+        lambda: seen.append(os.environ["TLN_TEST_SETTING"]), "TLN_TEST_SETTING", settings, 3, 4
+    )
+    # Each round: 5 warm-up and 4 timed calls under "0", then the same under "1".
+    assert seen == (["0"] * 9 + ["1"] * 9) * 3
+    assert {name: len(t) for name, t in times.items()} == {"old": 3, "new": 3}
+    assert all(t > 0 for ts in times.values() for t in ts)
+    assert harness.paired_ratios({"old": [2.0, 4.0], "new": [1.0, 4.0]}, "old", "new") == (
+        "old median 3.0 us, new 2.5 us, paired ratio median 0.750 min 0.500 max 1.000"
+    )

@@ -12,8 +12,10 @@ import argparse
 import csv
 import ctypes
 import math
+import os
 import re
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -257,6 +259,34 @@ def measure(fns: dict[str, Callable[[], object]], device: str, timing: Timing) -
     else:
         samples = _cpu_interleaved_times(fns, timing.seconds)
     return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+
+
+def environment_ab(
+    fn: Callable[[], object], variable: str, settings: dict[str, str], rounds: int, calls: int = 300
+) -> dict[str, list[float]]:
+    """Microseconds per call of fn with the environment variable `variable` at each of `settings` (name: value), for
+    an experiment build that reads it at each call: `rounds` blocks of `calls` calls per setting, the settings
+    alternating within every round so that noise hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    for _ in range(rounds):
+        for name, value in settings.items():
+            os.environ[variable] = value
+            for _ in range(5):  # warm-up under this setting
+                fn()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return times
+
+
+def paired_ratios(times: dict[str, list[float]], old: str, new: str) -> str:
+    """environment_ab's medians of `old` and `new`, and the ratios new / old of the same rounds."""
+    ratios = [n / o for o, n in zip(times[old], times[new])]
+    return (
+        f"{old} median {statistics.median(times[old]):.1f} us, {new} {statistics.median(times[new]):.1f} us, "
+        f"paired ratio median {statistics.median(ratios):.3f} min {min(ratios):.3f} max {max(ratios):.3f}"
+    )
 
 
 def keep_freed_memory() -> str:

@@ -1,24 +1,12 @@
 """In-process A/B of the CPU backward's row-chunk rule (ab.txt). Needs an experiment build whose backward_chunks
 reads TLN_CHUNK_BYTES (0: chunks of 16 rows, as before; 131072: at least 128 KiB of dy per chunk, as now)."""
 
-import os
-import statistics
-import time
-
 import torch
 
 import torch_ln  # noqa: F401  (registers torch.ops.torch_ln)
+from torch_ln import benchmark as harness
 
 RULES = {"16 rows": "0", "128 KiB": "131072"}
-
-
-def time_us(fn, calls=300):
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main():
@@ -32,17 +20,8 @@ def main():
         def backward(x=x, dy=dy, d=d, mean=mean, rstd=rstd, weight=weight, bias=bias):
             return torch.ops.torch_ln.layer_norm_bwd(dy, x, [d], mean, rstd, weight, bias, [True, True, True])
 
-        times = {rule: [] for rule in RULES}
-        for _ in range(15):
-            for rule, setting in RULES.items():
-                os.environ["TLN_CHUNK_BYTES"] = setting
-                times[rule].append(time_us(backward))
-        ratios = [new / old for old, new in zip(times["16 rows"], times["128 KiB"])]
-        print(
-            f"D={d}: 16-row chunks median {statistics.median(times['16 rows']):.1f} us, "
-            f"128 KiB chunks {statistics.median(times['128 KiB']):.1f} us, paired ratio median "
-            f"{statistics.median(ratios):.3f} min {min(ratios):.3f} max {max(ratios):.3f}"
-        )
+        times = harness.environment_ab(backward, "TLN_CHUNK_BYTES", RULES, rounds=15)
+        print(f"D={d}: {harness.paired_ratios(times, '16 rows', '128 KiB')}")
 
 
 if __name__ == "__main__":

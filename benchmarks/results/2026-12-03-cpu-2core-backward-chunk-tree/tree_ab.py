@@ -3,23 +3,13 @@ backward_by_row_chunks calls tree.sum_owned only when TLN_LOCAL_TREE is not "0":
 the thread that ran its chunks (as now), "after" sums the whole tree after the row pass, parallel over columns."""
 
 import os
-import statistics
-import time
 
 import torch
 
 import torch_ln  # noqa: F401
+from torch_ln import benchmark as harness
 
 SETTINGS = {"after": "0", "local": "1"}
-
-
-def time_us(fn, calls=300):
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main():
@@ -34,20 +24,13 @@ def main():
             def backward(x=x, dy=dy, d=d, mean=mean, rstd=rstd, weight=weight, bias=bias):
                 return torch.ops.torch_ln.layer_norm_bwd(dy, x, [d], mean, rstd, weight, bias, [True, True, True])
 
+            times = harness.environment_ab(backward, "TLN_LOCAL_TREE", SETTINGS, rounds=11)
             outs = {}
-            times = {k: [] for k in SETTINGS}
-            for _ in range(11):
-                for k, v in SETTINGS.items():
-                    os.environ["TLN_LOCAL_TREE"] = v
-                    times[k].append(time_us(backward))
-                    outs[k] = backward()
+            for name, value in SETTINGS.items():
+                os.environ["TLN_LOCAL_TREE"] = value
+                outs[name] = backward()
             same = all(torch.equal(a, b) for a, b in zip(outs["after"], outs["local"]))
-            ratios = [n / o for o, n in zip(times["after"], times["local"])]
-            print(
-                f"{str(dtype)[6:]} {m}x{d}: after {statistics.median(times['after']):.1f} us, local "
-                f"{statistics.median(times['local']):.1f} us, ratio median {statistics.median(ratios):.3f} "
-                f"min {min(ratios):.3f} max {max(ratios):.3f}, bitwise equal {same}"
-            )
+            print(f"{str(dtype)[6:]} {m}x{d}: {harness.paired_ratios(times, 'after', 'local')}, bitwise equal {same}")
 
 
 if __name__ == "__main__":
