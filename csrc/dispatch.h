@@ -29,35 +29,32 @@ inline at::ScalarType parameter_dtype(const at::Tensor& input, const at::Tensor&
   return input.scalar_type();
 }
 
-// Calls f(DtypePair<T, W>{}) for the supported combinations: W == T, or
-// W == float with a half or bfloat16 T (mixed precision).
-template <typename F>
-void dispatch_norm_dtypes(at::ScalarType input, at::ScalarType param, F&& f) {
-  const bool float_params = param == at::kFloat;
-  switch (input) {
-    case at::kFloat:
-      return f(DtypePair<float, float>{});
-    case at::kDouble:
-      return f(DtypePair<double, double>{});
-    case at::kHalf:
-      return float_params ? f(DtypePair<c10::Half, float>{}) : f(DtypePair<c10::Half, c10::Half>{});
-    case at::kBFloat16:
-      return float_params ? f(DtypePair<c10::BFloat16, float>{}) : f(DtypePair<c10::BFloat16, c10::BFloat16>{});
-    default:
-      TORCH_CHECK_TYPE(false, "torch_ln: unsupported input dtype ", input);
-  }
+// The combinations of input, parameter and row dtypes that the operators accept (their checks refuse the others),
+// as X(T, W[, R]) (DtypePair's arguments), for dispatch_dtypes and the CPU kernels' per-dtype files (norm_cpu.h).
+// float32 and float64 inputs: parameters and rows of the input's dtype.
+#define TORCH_LN_FOR_FULL_PRECISION(X) X(float, float) X(double, double)
+// A half-precision input dtype T: T or float32 parameters (mixed precision), each with rows (the residual stream
+// after an add) of T or float32.
+#define TORCH_LN_FOR_HALF_PRECISION(X, T) X(T, T) X(T, float) X(T, T, float) X(T, float, float)
+#define TORCH_LN_FOR_EACH_DTYPE_COMBINATION(X) \
+  TORCH_LN_FOR_FULL_PRECISION(X) TORCH_LN_FOR_HALF_PRECISION(X, c10::Half) TORCH_LN_FOR_HALF_PRECISION(X, c10::BFloat16)
+
+template <typename Types>
+bool has_dtypes(at::ScalarType input, at::ScalarType param, at::ScalarType rows) {
+  return input == c10::CppTypeToScalarType<typename Types::input_t>::value &&
+         param == c10::CppTypeToScalarType<typename Types::param_t>::value &&
+         rows == c10::CppTypeToScalarType<typename Types::row_t>::value;
 }
 
-// Calls f(types) with row_t set to `row`: T itself, or float for a float32
-// residual stream under half or bfloat16 input (the only other combination
-// the operators accept).
-template <typename Types, typename F>
-void dispatch_row_dtype(Types types, at::ScalarType row, F&& f) {
-  using T = typename Types::input_t;
-  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
-    if (row == at::kFloat) return f(DtypePair<T, typename Types::param_t, float>{});
-  }
-  return f(types);
+// Calls f(DtypePair<T, W, R>{}) for the input, parameter and row dtypes of a call (rows: x's, or after a residual
+// add, residual_out's), one of TORCH_LN_FOR_EACH_DTYPE_COMBINATION's.
+template <typename F>
+void dispatch_dtypes(at::ScalarType input, at::ScalarType param, at::ScalarType rows, F&& f) {
+#define TORCH_LN_CALL_IF_DTYPES(...) \
+  if (has_dtypes<DtypePair<__VA_ARGS__>>(input, param, rows)) return f(DtypePair<__VA_ARGS__>{});
+  TORCH_LN_FOR_EACH_DTYPE_COMBINATION(TORCH_LN_CALL_IF_DTYPES)
+#undef TORCH_LN_CALL_IF_DTYPES
+  TORCH_CHECK_TYPE(false, "torch_ln: unsupported dtypes: input ", input, ", parameters ", param, ", rows ", rows);
 }
 
 }  // namespace torch_ln

@@ -48,16 +48,14 @@ void cpu_norm_forward(NormKind kind, const ForwardArgs& a) {
   advise_huge_pages(a.y);
   advise_huge_pages(a.residual_out);
   const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto input_types) {
-    dispatch_row_dtype(input_types, rows, [&](auto types) { cpu_forward<decltype(types)>(kind, a); });
-  });
+  dispatch_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), rows,
+                  [&](auto types) { cpu_forward<decltype(types)>(kind, a); });
 }
 
 void cpu_norm_backward(NormKind kind, const BackwardArgs& a) {
   advise_huge_pages(a.dx);
-  dispatch_norm_dtypes(a.dy.scalar_type(), parameter_dtype(a.dy, a.weight, a.dbias), [&](auto input_types) {
-    dispatch_row_dtype(input_types, a.x.scalar_type(), [&](auto types) { cpu_backward<decltype(types)>(kind, a); });
-  });
+  dispatch_dtypes(a.dy.scalar_type(), parameter_dtype(a.dy, a.weight, a.dbias), a.x.scalar_type(),
+                  [&](auto types) { cpu_backward<decltype(types)>(kind, a); });
 }
 
 }  // namespace torch_ln

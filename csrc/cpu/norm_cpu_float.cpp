@@ -3,7 +3,6 @@
 
 namespace torch_ln {
 
-TORCH_LN_DEFINE_CPU_KERNELS(float, float)
-TORCH_LN_DEFINE_CPU_KERNELS(double, double)
+TORCH_LN_FOR_FULL_PRECISION(TORCH_LN_DEFINE_CPU_KERNELS)
 
 }  // namespace torch_ln

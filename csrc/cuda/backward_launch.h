@@ -99,10 +99,8 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
 
 inline void launch_norm_backward(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   // dbias has the bias's dtype, which is the parameter dtype when there is no weight.
-  dispatch_norm_dtypes(a.dy.scalar_type(), parameter_dtype(a.dy, a.weight, a.dbias), [&](auto input_types) {
-    dispatch_row_dtype(input_types, a.x.scalar_type(),
-                       [&](auto types) { launch_backward_typed<decltype(types)>(kind, a, limits, stream); });
-  });
+  dispatch_dtypes(a.dy.scalar_type(), parameter_dtype(a.dy, a.weight, a.dbias), a.x.scalar_type(),
+                  [&](auto types) { launch_backward_typed<decltype(types)>(kind, a, limits, stream); });
 }
 
 }  // namespace torch_ln

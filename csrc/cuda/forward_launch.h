@@ -76,10 +76,8 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
 
 inline void launch_norm_forward(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
-  dispatch_norm_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), [&](auto input_types) {
-    dispatch_row_dtype(input_types, rows,
-                       [&](auto types) { launch_forward_typed<decltype(types)>(kind, a, limits, stream); });
-  });
+  dispatch_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), rows,
+                  [&](auto types) { launch_forward_typed<decltype(types)>(kind, a, limits, stream); });
 }
 
 }  // namespace torch_ln
