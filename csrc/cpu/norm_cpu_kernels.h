@@ -462,12 +462,16 @@ struct NormCpu {
   }
 
   // The row a forward normalizes: x, or with a residual, h = x + residual rounded to R. The first pass over a row
-  // adds and rounds each element once, writes h from the rounded vectors (streamed like y: h never displaces the
-  // inputs from the cache) and keeps a copy of h in `kept` (a per-thread row, in cache), which the later passes read:
-  // in R, which holds its values exactly and, for half/bfloat16, takes half acc_t's cache room (bfloat16 RMSNorm at
-  // D = 16384: a 32 KiB row instead of 64 KiB). Measured on the 2-core dev VM, bfloat16 forward, 16 MiB of x, fused
-  // time over the unfused pair's in the same process, three processes each, kept as R / as acc_t: RMSNorm D = 4096
-  // 0.86-0.87 / 0.98-1.00, D = 16384 0.86-0.99 / 0.92-1.05; LayerNorm D = 4096 0.93-1.03 / 0.97-1.11; D = 1024 alike.
+  // adds and rounds each element once and writes h from the rounded vectors; the later passes read `kept`: h itself
+  // where it is written through the cache, or where it streams like y (h then never displaces the inputs from the
+  // cache), a copy of it that the first pass writes to a per-thread row. In R, which holds its values exactly and, for
+  // half/bfloat16, takes half acc_t's cache room (bfloat16 RMSNorm at D = 16384: a 32 KiB row instead of 64 KiB).
+  // Measured on the 2-core dev VM, bfloat16 forward, 16 MiB of x, fused time over the unfused pair's in the same
+  // process, three processes each, kept as R / as acc_t: RMSNorm D = 4096 0.86-0.87 / 0.98-1.00, D = 16384 0.86-0.99 /
+  // 0.92-1.05; LayerNorm D = 4096 0.93-1.03 / 0.97-1.11; D = 1024 alike. Reading h rather than a copy where it is
+  // cached (benchmarks/results/2026-12-04-cpu-2core-cached-h/), 2 threads, D = 1024 / 4096, fused time new / old:
+  // float32 at 1 MiB of x 0.76-1.06 (fused / pair 0.78-0.87 against 0.86-1.03), at 4 MiB 0.81-0.82 and one cell 1.14
+  // (fused / pair 0.84-1.00 against 0.96-1.06); bfloat16 0.77-1.02, fused / pair alike (0.90-1.02).
   // Without a residual, `kept` is the acc_t buffer of converts_once rows (forward_row fills it), else null. (Re-adding
   // and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16 RMSNorm at D >= 2048 took 1.3-1.6x
   // the unfused pair's CPU time, against 1.0-1.1x so.)
@@ -496,7 +500,7 @@ struct NormCpu {
         for (const auto i : c10::irange(kU)) v[i] = v[i] + r[i];
         const auto rounded = pack<A, R>(v);  // to R, as torch's add does
         store_packed(h + j, rounded, c, streaming);
-        store_packed(kept + j, rounded, c);
+        if (kept != h) store_packed(kept + j, rounded, c);
         v = unpack<A, R>(rounded);
       }
       return v;
@@ -534,7 +538,15 @@ struct NormCpu {
     const bool prefetch = D * static_cast<int64_t>(sizeof(T) + (HasRes ? sizeof(R) : 0)) <= kPrefetchRowBytes;
     const double offset = a.rounding.weight_offset;
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
-      const ThreadRow<typename InputRow<HasRes>::Kept, RowUse::kKept> kept(HasRes || converts_once(HasRes, D) ? D : 0);
+      // h itself where it is written through the cache, else a per-thread row.
+      const ThreadRow<typename InputRow<HasRes>::Kept, RowUse::kKept> kept_row(
+          (HasRes && streaming) || converts_once(HasRes, D) ? D : 0);
+      const auto kept = [&](int64_t r) {
+        if constexpr (HasRes) {
+          if (!streaming) return h + r * D;
+        }
+        return kept_row.data();
+      };
       const bool widen = widens_params(end - begin, offset);
       const ThreadRow<A, RowUse::kWeight> weight_row(HasW && converts_param(offset) && !widen ? D : 0);
       const ThreadRow<A, RowUse::kBias> bias_row(HasB && converts_param(0) && !widen ? D : 0);
@@ -542,7 +554,7 @@ struct NormCpu {
       const auto normalize_rows = [&](const auto* w, const auto* b) {
         for (const auto r : c10::irange(begin, end)) {
           const InputRow<HasRes> in{
-              x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr, kept.data(),
+              x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr, kept(r),
               streaming, r + 1 < end && prefetch ? D : 0};
           forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming,
                                   round);
