@@ -316,8 +316,8 @@ void with_flag(bool flag, const F& f) {
 // D=1024/4096/16384 1.31x/1.29x/1.21x with two passes, 1.02x/0.83x/0.87x with one read (Welford's divisions
 // and merges cost more than loads from L1/L2); bfloat16, single thread, 1 MiB: D=4096/8192 0.89x/~1.0x with one
 // read, 1.4x/1.35x converted once (a 4 KiB stack buffer limited that to 1024 elements before). The same limit holds
-// after a residual add (whose row is kept in a per-thread row), so that the fused ops' statistics are bitwise those of
-// the plain norm of residual_out.
+// after a residual add (whose later passes read h, or a per-thread copy of it), so that the fused ops' statistics are
+// bitwise those of the plain norm of residual_out.
 constexpr int64_t kTwoPassRowBytes = 512 * 1024;
 
 // The forward's last pass over a row of up to this many bytes of inputs (x, and the residual) requests the next
