@@ -1,4 +1,4 @@
-"""A small CUDA workload for compute-sanitizer: every kernel family and layout, once each."""
+"""A small CUDA workload for compute-sanitizer: every kernel family and layout, once each, plain and fused."""
 
 import torch
 
@@ -20,12 +20,21 @@ CASES = [
     (2, 262144, torch.float32),  # forward cluster of 16; backward LayerNorm reads the row twice
 ]
 for rows, cols, dtype in CASES:
-    for weight_dtype in {dtype, torch.float32} if dtype in (torch.float16, torch.bfloat16) else {dtype}:
+    # Mixed precision: float32 parameters and residual stream beside 16-bit inputs.
+    dtypes = {dtype, torch.float32} if dtype in (torch.float16, torch.bfloat16) else {dtype}
+    for weight_dtype in dtypes:
         x = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
         w = torch.randn(cols, device="cuda", dtype=weight_dtype, requires_grad=True)
         b = torch.randn(cols, device="cuda", dtype=weight_dtype, requires_grad=True)
         torch_ln.layer_norm(x, [cols], w, b).sum().backward()
         torch_ln.rms_norm(x, [cols], w).sum().backward()
+        # The fused residual add.
+        residual = torch.randn_like(x)
+        for residual_dtype in dtypes:
+            y, h = torch_ln.add_layer_norm(x, residual, [cols], w, b, residual_dtype=residual_dtype)
+            (y.sum() + h.sum()).backward()
+            y, h = torch_ln.add_rms_norm(x, residual, [cols], w, residual_dtype=residual_dtype)
+            (y.sum() + h.sum()).backward()
         # An unaligned view: the scalar path.
         torch_ln.layer_norm(x.detach().flatten()[1:].view(-1)[: (rows - 1) * cols].view(rows - 1, cols), [cols])
 torch.cuda.synchronize()

@@ -99,9 +99,15 @@ def _no_bias(fn):
 
 
 def _torch_layer_norm(x, shape, weight=None, bias=None, eps=1e-5):
-    """F.layer_norm, except for one case torch gets wrong: on the CPU its backward fails
-    ("expected scalar type Half but found Float") for half/bfloat16 input with a float32 bias
-    and no weight. There the yardstick is torch with an all-ones float32 weight: the same function."""
+    """F.layer_norm, except where torch has no kernel for the dtypes:
+    - on the CPU its backward fails ("expected scalar type Half but found Float") for half/bfloat16 input with a
+      float32 bias and no weight: there the yardstick is torch with an all-ones float32 weight, the same function;
+    - on CUDA (torch 2.11, seen on an H200) it refuses half/bfloat16 input with float32 parameters: there the
+      yardstick is torch in float32 on the upcast input, rounded once to the input's dtype, which is what its CPU
+      kernel for those dtypes computes (float32 arithmetic, one rounding of y)."""
+    params = [t for t in (weight, bias) if t is not None]
+    if x.device.type == "cuda" and any(t.dtype != x.dtype for t in params):
+        return F.layer_norm(x.float(), shape, weight, bias, eps).to(x.dtype)
     if weight is None and bias is not None and bias.dtype != x.dtype and x.device.type == "cpu":
         weight = torch.ones_like(bias)
     return F.layer_norm(x, shape, weight, bias, eps)

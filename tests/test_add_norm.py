@@ -331,7 +331,8 @@ def test_export(norm):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", NORMS)
 def test_autocast(norm, dtype, device):
-    """Under autocast y has the dtype torch's composite gives it (CUDA: float32; CPU: the input's), and its values."""
+    """Under autocast y has the dtype torch's composite gives it (the input's on the CPU; on CUDA float32 where
+    torch runs the norm in float32), and its values."""
     x, residual = torch.randn(6, 48, device=device).to(dtype), torch.randn(6, 48, device=device).to(dtype)
     weight, bias = make_params(norm, (48,), True, norm.has_bias, torch.float32, device)
     with torch.autocast(device, dtype=torch.bfloat16 if device == "cpu" else torch.float16):

@@ -533,7 +533,7 @@ def test_autocast_cpu(norm, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("norm", NORMS)
 def test_autocast_cuda(norm, dtype, device):
-    """Under CUDA autocast torch runs the norms in float32; so does torch_ln."""
+    """Under CUDA autocast torch_ln gives the dtype torch gives (float32 where torch has the rule), and its values."""
     x = torch.randn(6, 48, device=device).to(dtype)
     weight, bias = make_params(norm, (48,), True, norm.has_bias, torch.float32, device)
     with torch.autocast("cuda", dtype=torch.float16):
@@ -541,6 +541,16 @@ def test_autocast_cuda(norm, dtype, device):
         theirs = norm.torch(x, (48,), weight, bias, norm.default_eps)
     assert ours.dtype == theirs.dtype
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_cuda_autocast_rule_follows_torch(norm, fused):
+    """Regression (H200, torch 2.11): torch there has no CUDA autocast rule for rms_norm, and torch_ln's float32 rule
+    made its RMSNorm float32 where torch's stays in the input's dtype. Checked on the dispatcher: no GPU needed."""
+    has_rule = torch._C._dispatch_has_kernel_for_dispatch_key
+    op = f"torch_ln::{'add_' if fused else ''}{norm}_fwd"
+    assert has_rule(op, "AutocastCUDA") == has_rule(f"aten::{norm}", "AutocastCUDA")
 
 
 # ---------------------------------------------------------------------------------------

@@ -367,12 +367,10 @@ _transforms.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setu
 for _op in ("torch_ln::add_layer_norm_fwd", "torch_ln::add_rms_norm_fwd"):
     _transforms.register_autograd(_op, _add_norm_backward, setup_context=_add_norm_setup_context)
 
-# Under CUDA autocast torch runs layer_norm and rms_norm in float32; so does torch_ln, with the residual add too
+# Under CUDA autocast torch runs layer_norm in float32, and rms_norm where it has that rule (2.14 has it, 2.11 not:
+# there rms_norm keeps the input's dtype). torch_ln follows the installed torch, the fused add with its norm
 # (residual_out is then float32). CPU autocast leaves both at the input's dtype, which needs no registration.
-for _op in (
-    "torch_ln::layer_norm_fwd",
-    "torch_ln::rms_norm_fwd",
-    "torch_ln::add_layer_norm_fwd",
-    "torch_ln::add_rms_norm_fwd",
-):
-    torch.library.register_autocast(_op, "cuda", torch.float32)
+for _norm in ("layer_norm", "rms_norm"):
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_norm}", "AutocastCUDA"):
+        for _op in (f"torch_ln::{_norm}_fwd", f"torch_ln::add_{_norm}_fwd"):
+            torch.library.register_autocast(_op, "cuda", torch.float32)
