@@ -5,17 +5,20 @@ nvcc and a CUDA build of torch are present; and torch_ln._C, the Python module t
 Environment:
   TORCH_LN_FORCE_CPU=1    build the CPU-only extension even where CUDA could be built
   TORCH_CUDA_ARCH_LIST    GPU architectures, e.g. "8.0;9.0"; default DEFAULT_ARCH_LIST when no GPU is visible
+  TORCH_LN_LOCAL_VERSION=1  a local version label naming torch and CUDA (scripts/build_wheels.py)
   MAX_JOBS                parallel compile jobs (ninja)
   NVCC_THREADS            threads nvcc uses per compile (default 2)
 """
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-# Hopper (H100/H200) and Ampere (A100); set TORCH_CUDA_ARCH_LIST for others.
-DEFAULT_ARCH_LIST = "8.0;9.0"
+# With no GPU visible: Ampere (A100), Hopper (H100/H200), Blackwell (B200: sm_100; RTX 50xx, RTX PRO: sm_120) and
+# sm_120's PTX, which later GPUs JIT-compile. scripts/run.sh builds "8.0;9.0" only (the architectures tested).
+DEFAULT_ARCH_LIST = "8.0;9.0;10.0;12.0+PTX"
 
 
 def _find_cuda_home() -> str | None:
@@ -38,6 +41,40 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 LIBRARY = "torch_ln.lib.libtorch_ln"
 # The Python module of eager calls (csrc/python), linked against LIBRARY.
 MODULE = "torch_ln._C"
+VERSION = "0.1.0"
+
+
+def _load_torch_range():
+    # scripts/torch_range.py by its path: the package itself cannot be imported before it is built.
+    spec = importlib.util.spec_from_file_location("torch_range", ROOT / "scripts" / "torch_range.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+supported_torch = _load_torch_range().supported_torch
+
+
+def _check_torch() -> None:
+    # --no-build-isolation builds against whatever torch is installed: refuse one outside the supported range.
+    from packaging.specifiers import SpecifierSet
+
+    release = torch.__version__.split("+")[0]
+    if release not in SpecifierSet(supported_torch()):
+        raise RuntimeError(
+            f"torch_ln supports torch{supported_torch()} (pyproject.toml), but torch {torch.__version__} is installed"
+        )
+
+
+def _version() -> str:
+    """The package version; TORCH_LN_LOCAL_VERSION=1 (scripts/build_wheels.sh) adds a local label naming the torch
+    and the CUDA the wheel is built for (0.1.0+pt211cu130, 0.1.0+pt211cpu), so wheels for several torch releases
+    can lie side by side in one folder or index."""
+    if os.environ.get("TORCH_LN_LOCAL_VERSION", "0") in ("", "0"):
+        return VERSION
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    cuda = f"cu{torch.version.cuda.replace('.', '')}" if _with_cuda() else "cpu"
+    return f"{VERSION}+pt{major}{minor}{cuda}"
 
 
 def _with_cuda() -> bool:
@@ -113,6 +150,23 @@ def _module():
     )
 
 
+def _library_runpath(editable: bool) -> list[str]:
+    """Where libtorch_ln.so finds LibTorch and the CUDA runtime at load time, whichever libraries a program loaded
+    before it: torch/lib and the nvidia wheel's libcudart beside torch, relative to $ORIGIN (a wheel installs
+    torch_ln/lib at the same depth as torch/lib, in the same site-packages), and for an editable install, whose
+    library stays in this tree, their absolute paths on this machine too."""
+    torch_lib = Path(torch.__file__).resolve().parent / "lib"
+    site_packages = torch_lib.parent.parent
+    dirs = [torch_lib]
+    if _with_cuda():
+        dirs += sorted({p.parent for p in site_packages.glob("nvidia/*/lib/libcudart.so*")})
+    relative = [f"$ORIGIN/../../{d.relative_to(site_packages)}" for d in dirs]
+    if not editable:
+        return relative
+    toolkit = [Path(os.environ["CUDA_HOME"]) / "lib64"] if _with_cuda() else []
+    return relative + [str(d) for d in dirs + toolkit]
+
+
 class BuildExtensions(BuildExtension):
     """The operator library keeps its plain name (C++ programs and CMake find libtorch_ln.so); the Python module,
     built after it, links against it where it was just built."""
@@ -126,14 +180,20 @@ class BuildExtensions(BuildExtension):
     def build_extension(self, ext):
         if ext.name == MODULE:
             ext.library_dirs.append(str(Path(self.get_ext_fullpath(LIBRARY)).parent))
+        else:  # RUNPATH (new dtags), not RPATH: LD_LIBRARY_PATH still overrides it
+            editable = self.inplace or getattr(self, "editable_mode", False)
+            runpath = ":".join(_library_runpath(editable))
+            ext.extra_link_args += ["-Wl,--enable-new-dtags", f"-Wl,-rpath,{runpath}"]
         super().build_extension(ext)
 
 
+_check_torch()
 ext = _extension()
 _write_build_info()
 # build_ext --inplace (an editable install) copies the library here, but does not create the folder.
 (ROOT / "torch_ln" / "lib").mkdir(exist_ok=True)
 setup(
+    version=_version(),
     ext_modules=[ext, _module()],
     # A binary extension works with the torch it was compiled against, and no other. The public version only: pip
     # rejects a local label (+cu130) against the index's torch and the torch<=X caps some installations carry;

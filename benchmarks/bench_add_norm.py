@@ -4,7 +4,7 @@ fused adds of Liger, QuACK and flash-attn when they are installed (CUDA-only).
 
 Usage: python benchmarks/bench_add_norm.py [--op layer_norm|rms_norm] [--device cpu|cuda] [--quick] [--help]
 
-Timing, the output check, the CSV and the plots are the shared harness's (torch_ln/benchmark.py,
+Timing, the output check, the CSV and the plots are the shared harness's (benchmarks/harness.py,
 benchmarks/README.md); the summary gives fused / unfused torch_ln pair and fused / compiled pair per case.
 """
 
@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import torch
 from torch import Tensor
 
 import torch_ln
-from torch_ln import benchmark as harness
 
 PROVIDERS = ("fused", "torch_ln_pair", "torch", "compile", "liger", "quack", "flash_attn")
 EXTERNAL = ("liger", "quack", "flash_attn")

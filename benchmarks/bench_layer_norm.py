@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_layer_norm.py [--device cpu|cuda] [--quick] [--he
 
 import sys
 
-from torch_ln.benchmark import cli
+from harness import cli
 
 if __name__ == "__main__":
     sys.exit(cli("layer_norm"))

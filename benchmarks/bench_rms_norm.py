@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_rms_norm.py [--device cpu|cuda] [--quick] [--help
 
 import sys
 
-from torch_ln.benchmark import cli
+from harness import cli
 
 if __name__ == "__main__":
     sys.exit(cli("rms_norm"))

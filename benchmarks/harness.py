@@ -1,4 +1,4 @@
-"""Benchmark harness shared by benchmarks/bench_*.py and ``python -m torch_ln``.
+"""Benchmark harness of benchmarks/bench_*.py (its timing core, torch_ln/_timing.py, is the package's).
 
 Times torch_ln's LayerNorm/RMSNorm against torch eager, torch.compile and, on CUDA,
 Liger, Apex and QuACK when they are installed; reports each case's time, effective
@@ -12,10 +12,8 @@ import argparse
 import csv
 import ctypes
 import math
-import os
 import re
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -23,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.benchmark import Timer
 
 import torch_ln
+from torch_ln._timing import FULL, QUICK, Timing, copy_bandwidth, device_name, measure
 
 OPS = ("layer_norm", "rms_norm")
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -39,22 +37,6 @@ EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 Norm = Callable[[Tensor, Tensor, Tensor | None], Tensor]
-
-
-@dataclass(frozen=True)
-class Timing:
-    """How long to time each provider of a case: `seconds` in all. On CUDA in `rounds` interleaved rounds; on the
-    CPU in rounds of CPU_BLOCK_SECONDS each (see measure)."""
-
-    seconds: float
-    rounds: int
-
-
-FULL = Timing(seconds=1.0, rounds=5)
-QUICK = Timing(seconds=0.3, rounds=3)
-# A CPU round runs each provider for about this long. A shared machine has slow spells of tens of milliseconds that
-# would decide a comparison of long blocks; rounds this short put every provider in each spell alike.
-CPU_BLOCK_SECONDS = 0.005
 
 
 @dataclass(frozen=True)
@@ -209,86 +191,6 @@ def resolve_providers(op: str, device: str, names: Sequence[str]) -> list[str]:
     return usable
 
 
-# Timing.
-
-
-def _cpu_interleaved_times(fns: dict[str, Callable[[], object]], seconds: float) -> dict[str, list[float]]:
-    """Seconds per call of each function, from short blocks of calls, alternating between the functions (in an
-    order that rotates every round), about `seconds` for each in all (at least 3 rounds)."""
-    threads = torch.get_num_threads()
-    timers = {name: Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads) for name, fn in fns.items()}
-    call_seconds = {name: timer.timeit(1).mean for name, timer in timers.items()}
-    calls = {name: max(1, round(CPU_BLOCK_SECONDS / t)) for name, t in call_seconds.items()}
-    # A block is one call at least: a slow provider makes the rounds longer, so fewer of them fill `seconds`.
-    rounds = max(3, round(seconds / max(CPU_BLOCK_SECONDS, *call_seconds.values())))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for round_index in range(rounds):
-        start = round_index % len(names)
-        for name in names[start:] + names[:start]:
-            samples[name].append(timers[name].timeit(calls[name]).mean)
-    return samples
-
-
-def _cuda_times(fn: Callable[[], object], seconds: float) -> list[float]:
-    for _ in range(3):  # warm-up
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    # Enough repetitions to fill `seconds`, each timed by its own pair of events.
-    reps = int(min(max(seconds / max(start.elapsed_time(end) / 1e3, 1e-6), 10), 2000))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events]
-
-
-def measure(fns: dict[str, Callable[[], object]], device: str, timing: Timing) -> dict[str, float]:
-    """Median milliseconds of each function, timed in interleaved rounds so that noise hits all alike."""
-    if device == "cuda":
-        samples: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(timing.rounds):
-            for name, fn in fns.items():
-                samples[name] += _cuda_times(fn, timing.seconds / timing.rounds)
-    else:
-        samples = _cpu_interleaved_times(fns, timing.seconds)
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
-
-
-def environment_ab(
-    fn: Callable[[], object], variable: str, settings: dict[str, str], rounds: int, calls: int = 300
-) -> dict[str, list[float]]:
-    """Microseconds per call of fn with the environment variable `variable` at each of `settings` (name: value), for
-    an experiment build that reads it at each call: `rounds` blocks of `calls` calls per setting, the settings
-    alternating within every round so that noise hits them alike."""
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    for _ in range(rounds):
-        for name, value in settings.items():
-            os.environ[variable] = value
-            for _ in range(5):  # warm-up under this setting
-                fn()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return times
-
-
-def paired_ratios(times: dict[str, list[float]], old: str, new: str) -> str:
-    """environment_ab's medians of `old` and `new`, and the ratios new / old of the same rounds."""
-    ratios = [n / o for o, n in zip(times[old], times[new])]
-    return (
-        f"{old} median {statistics.median(times[old]):.1f} us, {new} {statistics.median(times[new]):.1f} us, "
-        f"paired ratio median {statistics.median(ratios):.3f} min {min(ratios):.3f} max {max(ratios):.3f}"
-    )
-
-
 def keep_freed_memory() -> str:
     """Tells glibc's malloc to keep freed memory for reuse instead of returning it to the OS; returns what was done.
 
@@ -309,14 +211,6 @@ def keep_freed_memory() -> str:
     if mallopt(m_trim_threshold, 2**30) != 1 or mallopt(m_mmap_max, 0) != 1:
         return "malloc: glibc refused the settings, left as it is"
     return "malloc: glibc keeps freed memory (trim threshold 1 GiB, no mmap: every size from the heap)"
-
-
-def copy_bandwidth(device: str, nbytes: int) -> float:
-    """GB/s of a large `dst.copy_(src)` on the device, counting the read and the write (2 * nbytes)."""
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    ms = measure({"copy": lambda: dst.copy_(src)}, device, Timing(seconds=1.0, rounds=1))["copy"]
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def peak_memory_mib(fn: Callable[[], object], device: str) -> float | None:
@@ -563,13 +457,6 @@ def summarize(results: Sequence[Result]) -> bool:
             line += f"  CPU bar (median>=1.0, min>=0.9): {'PASS' if ok else 'FAIL'}"
         print(line)
     return passed
-
-
-def device_name(device: str) -> str:
-    """A readable name for the device, with its thread count on the CPU."""
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"CPU, {torch.get_num_threads()} threads"
 
 
 def sweep(

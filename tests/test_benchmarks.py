@@ -66,19 +66,22 @@ def test_add_norm_benchmark(tmp_path):
     _check_rows(rows, "fused", {"torch", "fused", "torch_ln_pair"})
 
 
-def test_environment_ab_times_each_setting_under_its_value(monkeypatch):
-    from torch_ln import benchmark as harness
-
-    monkeypatch.setenv("TLN_TEST_SETTING", "before")  # restored (removed) after the test
-    seen = []
-    settings = {"old": "0", "new": "1"}
-    times = harness.environment_ab(
-        lambda: seen.append(os.environ["TLN_TEST_SETTING"]), "TLN_TEST_SETTING", settings, 3, 4
-    )
-    # Each round: 5 warm-up and 4 timed calls under "0", then the same under "1".
-    assert seen == (["0"] * 9 + ["1"] * 9) * 3
-    assert {name: len(t) for name, t in times.items()} == {"old": 3, "new": 3}
-    assert all(t > 0 for ts in times.values() for t in ts)
-    assert harness.paired_ratios({"old": [2.0, 4.0], "new": [1.0, 4.0]}, "old", "new") == (
-        "old median 3.0 us, new 2.5 us, paired ratio median 0.750 min 0.500 max 1.000"
-    )
+def test_latency_benchmark(tmp_path):
+    # benchmarks/bench_latency.py on the CPU (eager only: CUDA graphs need a GPU), torch_ln and torch eager.
+    Ms, Ds, steps = ("1", "8"), ("1000", "4096"), ("fwd", "fwd+bwd")
+    args = ["--device", "cpu", "--quick", "--providers", "torch_ln", "torch", "--M", *Ms, "--D", *Ds]
+    rows = _run("bench_latency.py", [*args, "--dtypes", *DTYPES, "--steps", *steps], tmp_path)
+    cases = {(r["op"], r["dtype"], r["step"], r["M"], r["D"]) for r in rows}
+    ops = ("layer_norm", "rms_norm")
+    assert cases == {
+        (op, dtype, step, M, D) for op in ops for dtype in DTYPES for step in steps for M in Ms for D in Ds
+    }
+    assert {(r["provider"], r["mode"], r["device"]) for r in rows} == {
+        ("torch_ln", "eager", "cpu"),
+        ("torch", "eager", "cpu"),
+    }
+    assert len(rows) == 2 * len(cases)
+    for row in rows:
+        assert float(row["us_per_call"]) > 0, row
+        if row["provider"] == "torch_ln":
+            assert row["check"] == "ok", row

@@ -361,7 +361,7 @@ def test_batch_invariance(norm, d, dtype, device):
 
 
 # The CPU kernels write y and dx with streaming stores once a call's rows (x and y; x, dy and dx) exceed 16 MiB
-# (csrc/cpu/norm_cpu_kernels.h, kStreamingRowBytes); the other CPU tests are below that size.
+# (csrc/cpu/row_steps.h, kStreamingRowBytes); the other CPU tests are below that size.
 STREAMING_ROW_BYTES = 16 * 2**20
 
 

@@ -1,5 +1,5 @@
 """``python -m torch_ln``: checks torch_ln against torch in small models (one a tiny Hugging Face Llama), then
-times a few typical shapes.
+times a few typical shapes against torch eager (the full benchmarks, with every provider, are benchmarks/bench_*.py).
 
 Runs on CUDA when available, else on the CPU; exits non-zero if any result disagrees with torch.
 """
@@ -10,14 +10,21 @@ import copy
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torch_ln
-from torch_ln import benchmark
+from torch_ln import _timing
 from torch_ln.integrations import tiny_llama_config
 
 SHAPES = ((4096, 768), (2048, 4096), (512, 8192))
 TOLERANCE = 1e-4  # float32 models: only the norms' rounding differs
+# A timed case's output against torch's, relative to its largest magnitude: a few units of the dtype's last place.
+CASE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+OPS = {
+    "layer_norm": (torch_ln.layer_norm, F.layer_norm),
+    "rms_norm": (torch_ln.rms_norm, F.rms_norm),
+}
 
 
 def _model(device: str) -> nn.Module:
@@ -90,43 +97,68 @@ def check_hf_llama(device: str) -> bool:
     return ok
 
 
-def time_shapes(device: str) -> list[benchmark.Result]:
-    """Prints torch_ln against torch eager on SHAPES; returns torch_ln's rows."""
+def _case(op: str, device: str, dtype: torch.dtype, mode: str, M: int, D: int) -> tuple[str, dict]:
+    """One shape: whether torch_ln's output agrees with torch's, and a step per provider to time."""
+    x = torch.randn(M, D, device=device, dtype=dtype, requires_grad=mode != "fwd")
+    weight = torch.randn(D, device=device, dtype=dtype)
+    dy = torch.randn(M, D, device=device, dtype=dtype)
+    extra = (torch.randn(D, device=device, dtype=dtype),) if op == "layer_norm" else ()
+    eps = 1e-5 if op == "layer_norm" else 1e-6
 
-    copy_gbps = benchmark.copy_bandwidth(device, 256 * 2**20)
-    print(f"\ncopy bandwidth: {copy_gbps:.1f} GB/s; timing torch_ln against torch eager:")
-    rows = []
-    for op in benchmark.OPS:
+    def step(norm):
+        def run():
+            y = norm(x, (D,), weight, *extra, eps=eps)
+            if mode != "fwd":
+                torch.autograd.grad(y, x, dy)
+            return y
+
+        return run
+
+    ours, theirs = (step(norm) for norm in OPS[op])
+    error = ((ours() - theirs()).abs().max() / theirs().abs().max()).item()
+    check = "ok" if error <= CASE_TOLERANCE[dtype] else f"MISMATCH {error:.1e}"
+    return check, {"torch_ln": ours, "torch": theirs}
+
+
+def time_shapes(device: str) -> tuple[bool, int, int]:
+    """Prints torch_ln against torch eager on SHAPES; returns whether every output agreed with torch's, the number
+    of cases where torch_ln was slower, and the number of cases."""
+    print(f"\ncopy bandwidth: {_timing.copy_bandwidth(device, 256 * 2**20):.1f} GB/s; torch_ln against torch eager:")
+    columns = "{:<9} {:<8} {:>6} {:>6} {:>12} {:>9} {:>8}  {}"
+    agree, slower, cases = True, 0, 0
+    for op in OPS:
         print(f"{op}:")
-        benchmark.print_header()
+        print(columns.format("dtype", "mode", "D", "M", "torch_ln ms", "torch ms", "speedup", "check"))
         for dtype in (torch.float32, torch.bfloat16):
             for mode in ("fwd", "fwd+bwd"):
                 for M, D in SHAPES:
-                    for row in benchmark.run_case(
-                        op, device, dtype, mode, M, D, ["torch_ln", "torch"], benchmark.QUICK, copy_gbps
-                    ):
-                        benchmark.print_row(row)
-                        rows.append(row)
-    benchmark.print_legend()
-    return [row for row in rows if row.provider == "torch_ln"]
+                    check, steps = _case(op, device, dtype, mode, M, D)
+                    ms = _timing.measure(steps, device, _timing.QUICK)
+                    speedup = ms["torch"] / ms["torch_ln"]
+                    mark = "  SLOWER than torch" if speedup < 1.0 else ""
+                    row = (str(dtype).removeprefix("torch."), mode, D, M, f"{ms['torch_ln']:.4f}", f"{ms['torch']:.4f}")
+                    print(columns.format(*row, f"{speedup:.2f}x", check + mark), flush=True)
+                    agree &= check == "ok"
+                    slower += speedup < 1.0
+                    cases += 1
+    return agree, slower, cases
 
 
 def main() -> int:
     """Runs the self-check; returns the exit status."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(
-        f"torch_ln self-check on {benchmark.device_name(device)}; torch {torch.__version__}; "
+        f"torch_ln self-check on {_timing.device_name(device)}; torch {torch.__version__}; "
         f"extension has CUDA kernels: {torch_ln._extension.cuda_compiled()}"
     )
     ok = check_models(device)
     ok &= check_hf_llama(device)
-    ours = time_shapes(device)
-    ok &= all(row.check == "ok" for row in ours)
-    slower = sum(benchmark.is_slower(row) for row in ours)
+    agree, slower, cases = time_shapes(device)
+    ok &= agree
     # The exit status is about correctness; speed is reported, not judged (timings on a shared machine vary).
     print(
-        f"\n{'PASS' if ok else 'FAIL'}: torch_ln's results {'agree' if ok else 'DISAGREE'} with torch and float64; "
-        f"torch_ln was SLOWER than torch eager in {slower} of {len(ours)} timed cases"
+        f"\n{'PASS' if ok else 'FAIL'}: torch_ln's results {'agree' if ok else 'DISAGREE'} with torch; "
+        f"torch_ln was SLOWER than torch eager in {slower} of {cases} timed cases"
     )
     return 0 if ok else 1
 

@@ -367,10 +367,11 @@ _transforms.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setu
 for _op in ("torch_ln::add_layer_norm_fwd", "torch_ln::add_rms_norm_fwd"):
     _transforms.register_autograd(_op, _add_norm_backward, setup_context=_add_norm_setup_context)
 
-# torch_ln takes a float32 rule under CUDA autocast where torch has one for the norm (layer_norm; rms_norm from
-# some release after 2.11), the fused add with its norm (residual_out is then float32). Open: on an H200 torch 2.11's
-# layer_norm of half/bfloat16 input with float32 parameters kept the input's dtype under autocast, which this rule
-# does not (3 CUDA tests fail there). CPU autocast leaves both at the input's dtype, which needs no registration.
+# Autocast as torch's at each release (its autocast_mode.h, AT_FORALL_FP32): on CUDA, layer_norm runs in float32
+# from 2.11 on, rms_norm from 2.12 on (2.11 has no rule: the input's dtype); torch_ln takes the same float32 rule
+# where torch has one, the fused add with its norm (residual_out is then float32). CPU autocast lists neither norm
+# (fallthrough: the input's dtype), so torch_ln registers nothing there. tests/test_autocast_rules.py checks the
+# output dtypes against torch's on fake CUDA tensors, with no GPU.
 for _norm in ("layer_norm", "rms_norm"):
     if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_norm}", "AutocastCUDA"):
         for _op in (f"torch_ln::{_norm}_fwd", f"torch_ln::add_{_norm}_fwd"):

@@ -47,15 +47,25 @@ def test_no_spills_or_local_memory(kernel):
     )
 
 
+def _no_coverage(why: str):
+    """The coverage gates read what an earlier coverage run of the emulated tests counted: a plain `pytest` has
+    none, so they skip there, and fail where scripts/run.sh requires them (TORCH_LN_REQUIRE_GATES)."""
+    how = "run `TORCH_LN_COVERAGE=1 pytest tests/emulated` first (bash scripts/run.sh test does both)"
+    if os.environ.get("TORCH_LN_REQUIRE_GATES"):
+        pytest.fail(f"{why}: {how}")
+    pytest.skip(f"{why}: {how}")
+
+
 def _gcov_report() -> list[dict]:
     """gcov's JSON for the coverage build's kernel objects, from the last coverage run of the emulated tests."""
     build = emulated_build.COVERAGE_DIR
     notes = sorted(build.glob("*.gcno"))
     data = sorted(build.glob("*.gcda"))
     if not notes or not data:
-        pytest.fail(f"no coverage data in {build}: run `TORCH_LN_COVERAGE=1 pytest tests/emulated` first")
+        _no_coverage(f"no coverage data in {build}")
     library = max(build.glob("*.so"), key=lambda p: p.stat().st_mtime)
-    assert min(d.stat().st_mtime for d in data) >= library.stat().st_mtime, "coverage data older than the build"
+    if min(d.stat().st_mtime for d in data) < library.stat().st_mtime:
+        _no_coverage(f"the coverage data in {build} is older than its build")
     files = []
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["gcov", "-j", "-b", *map(str, notes)], cwd=tmp, check=True, capture_output=True)
