@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent an H200 (torch 2.11.0+cu130, Python 3.12, nvcc 13.0, no
-# network): build for sm_90, CUDA tests, compute-sanitizer, benchmarks, the C++ example.
+# The GPU check, for a session lent an H200 (torch 2.11.0+cu130, Python 3.12, nvcc 13.0, no network): the build
+# (carried, or made there for sm_90), CUDA tests, compute-sanitizer, benchmarks, the C++ example.
+#
+# The prepared call (issue 36, item 4): make the build here first, right after the last edit of setup.py, csrc/ or
+# torch_ln/include/ (the carried phase refuses a build of other sources: gpu_build/SOURCES.sha256),
+#   nice -n 10 bash scripts/build_for_gpu.sh        (here, no GPU: 13.5 min from scratch on 2 cores, seconds after)
+# then, carrying it and the wheels, every call starting with the phase `carried`:
+#   device run, carry ["gpu_build", ".whl"]: bash scripts/gpu_check.sh carried tests sanitizer bench   (timeout_s 590)
+# Phase `carried` (instead of `build`) checks gpu_build/SOURCES.sha256 against this tree, copies gpu_build/torch_ln/*
+# into torch_ln/ and checks that torch_ln imports with its CUDA kernels: seconds instead of the build's 194. The
+# repository is on PYTHONPATH (no pip install needed). It touches the copied libraries, so torch_ln's check that they
+# are newer than csrc/ holds whatever mtimes the copy gave the tree; should it still refuse them (a clock ahead
+# here), TORCH_LN_ALLOW_STALE=1 is set for the rest of the run, the contents having matched already.
+#
 # Seen on 2026-12-04: machine start ~50 s, build 194 s, CUDA tests 54 s (1505), memcheck under 60 s, racecheck
-# over 120 s, the benchmarks ~300 s with rms_norm's cut short. A lease's 15 minutes take it in two calls, the second
-# while the machine is still warm (the build stays; once cold, carry a build made against torch 2.11.0 for cp312):
+# over 120 s, the benchmarks ~300 s with rms_norm's cut short. Each step has its own timeout:
+#   carried ~10 s; tests 240; sanitizer 240 + 240; bench 90 + 90 (latency fwd) + 30 (latency fwd+bwd) + 150 + 60
+#   + 120, kernel model 90
+# From the figures seen, one call takes ~11-13 minutes (10 + 54 + 60 + 120..240 + 300 + up to 120 s of latency),
+# over the ~8 minutes a session's 15 minutes of device time allow with the start: until racecheck's case and the
+# benchmarks' cases are cut to fit, a 590 s call ends inside the bench phase (results.tgz keeps every finished step),
+# or split it, each call while the machine is warm, each starting with `carried`:
+#   device run: bash scripts/gpu_check.sh carried tests sanitizer   (timeout_s ~ 400)
+#   device run: bash scripts/gpu_check.sh carried bench             (timeout_s ~ 560)
+# Without a carried build, build there, then the rest while the machine is still warm (the build stays):
 #   device run: bash scripts/gpu_check.sh build tests sanitizer     (timeout_s ~ 590)
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
-# No phase named: all of them, cpp last (it builds an AOTInductor package: minutes).
+# No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
 # Wheels in .whl/ (carried: `carry: [".whl"]`) are installed first, for the benchmarks' other providers
 # (Liger's is pure Python; QuACK's CUTLASS DSL is too large to carry).
 # $OUT (default ./gpu_out) gets summary.txt and console.log as they grow, and results.tgz (every log,
@@ -24,16 +44,59 @@ note() { echo "$1" | tee -a "$OUT/summary.txt"; }
 pack() { tar czf "$OUT/results.tgz" -C "$WORK" .; }
 wants() { [[ "$PHASES" == *" $1 "* ]]; }
 
+# torch_ln from this tree, whether pip-installed here (build) or copied in (carried): scripts/ and benchmarks/ too.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-if wants build; then
+environment() {
   step "environment"
   { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
     python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
     nvcc --version | tail -1; nproc; } 2>&1 | tee "$WORK/env.txt"
+}
+
+# The files a build is made of; scripts/build_for_gpu.sh writes the same list, hashed, to gpu_build/SOURCES.sha256.
+source_manifest() {
+  find setup.py csrc torch_ln/include -type f ! -path 'csrc/emulated/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
+}
+
+if wants carried; then
+  environment
+  step "carried build (gpu_build/, made by scripts/build_for_gpu.sh)"
+  if [[ ! -f gpu_build/SOURCES.sha256 || ! -f gpu_build/torch_ln/lib/libtorch_ln.so ]]; then
+    note "NO CARRIED BUILD: run scripts/build_for_gpu.sh, then carry gpu_build (or run the build phase)"; pack; exit 1
+  fi
+  tee -a "$OUT/summary.txt" < gpu_build/BUILD.txt
+  if ! source_manifest | diff gpu_build/SOURCES.sha256 - > "$WORK/carried_sources.diff"; then
+    head -20 "$WORK/carried_sources.diff"
+    note "CARRIED BUILD IS STALE: made from other sources than these; rerun scripts/build_for_gpu.sh"; pack; exit 1
+  fi
+  mkdir -p torch_ln/lib
+  cp gpu_build/torch_ln/lib/libtorch_ln.so torch_ln/lib/
+  cp gpu_build/torch_ln/_C.*.so gpu_build/torch_ln/_build_info.py torch_ln/
+  touch torch_ln/lib/libtorch_ln.so torch_ln/_C.*.so # newer than the sources just matched against SOURCES.sha256
+  loads() {
+    python3 -c "import torch_ln, torch_ln._extension as e; assert e.cuda_compiled(), 'no CUDA kernels in this build'
+import torch; print('torch_ln loads, CUDA kernels in,', torch.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else '(no GPU visible)')"
+  }
+  if ! loads > "$WORK/carried.log" 2>&1; then
+    if grep -q "older than their sources" "$WORK/carried.log"; then
+      export TORCH_LN_ALLOW_STALE=1
+      note "mtimes say stale, contents match: TORCH_LN_ALLOW_STALE=1 for this run"
+      loads > "$WORK/carried.log" 2>&1
+    fi
+  fi
+  tee -a "$OUT/summary.txt" < "$WORK/carried.log"
+  grep -q "^torch_ln loads" "$WORK/carried.log" || { note "CARRIED BUILD DOES NOT LOAD"; pack; exit 1; }
+  pack
+fi
+
+if wants build; then
+  environment
   step "build for sm_90"
   start=$SECONDS
   TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . \
@@ -76,6 +139,18 @@ if wants bench; then
     pack
   }
   bench bench_add_rms_norm 90 benchmarks/bench_add_norm.py --op rms_norm --D 1024 4096 8192
+  # Small-batch latency (issue 36, item 5): M = 1, 8, 64 at D = 4096, 8192, eager and under a CUDA graph. The forward
+  # against torch and torch.compile (one compile per case: most of the time); forward+backward, torch_ln and torch.
+  step "small-batch latency (bench_latency.py --quick)"
+  timeout 90 python3 benchmarks/bench_latency.py --device cuda --quick --steps fwd \
+    --out "$WORK/bench/latency_fwd" > "$WORK/bench_latency_fwd.txt" 2>&1
+  note "bench_latency fwd exit: $?"
+  timeout 30 python3 benchmarks/bench_latency.py --device cuda --quick --steps fwd+bwd --providers torch_ln torch \
+    --out "$WORK/bench/latency_fwd_bwd" > "$WORK/bench_latency_fwd_bwd.txt" 2>&1
+  note "bench_latency fwd+bwd exit: $?"
+  goals=$(grep -h "goal (" "$WORK"/bench_latency_*.txt | sort -u) # each case's line is printed twice
+  note "latency: $(grep -c MISSED <<< "$goals") of $(grep -c . <<< "$goals") cases miss the goal"
+  pack
   bench bench_layer_norm 150 benchmarks/bench_layer_norm.py
   bench bench_add_layer_norm 60 benchmarks/bench_add_norm.py --op layer_norm --D 4096
   bench bench_rms_norm 120 benchmarks/bench_rms_norm.py --D 4096 32768 262144
