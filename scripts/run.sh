@@ -4,7 +4,8 @@
 #   bash scripts/run.sh test   installs, builds, and runs the test suite: the main suite, then
 #                              the CUDA kernels under SIMT emulation with ASan, UBSan and the
 #                              emulator's shared-memory race check, then
-#                              under gcov, then the kernel gates (tests/gates; needs nvcc)
+#                              under gcov, then the kernel gates (tests/gates; needs nvcc), then the
+#                              main suite on the oldest supported torch (scripts/test_oldest_torch.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -31,6 +32,8 @@ case "${1:-}" in
     # launched by those tests, and every branch arm of the kernels taken.
     TORCH_LN_COVERAGE=1 "$PYTHON" -m pytest tests/emulated -q -n auto
     TORCH_LN_REQUIRE_GATES=1 "$PYTHON" -m pytest tests/gates
+    # The main suite again on the oldest supported torch (its own venv, a CPU-only build in a copy of the tree).
+    bash scripts/test_oldest_torch.sh
     ;;
   *)
     echo "usage: bash scripts/run.sh main|test" >&2

@@ -9,6 +9,7 @@ with "libc10_cuda.so: cannot open shared object file" (issue 40).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -56,16 +57,20 @@ def _run(command: list, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _object(name: str, source: str, includes: list[str]) -> Path:
-    """Compiles `source` once per content (the probe takes about 30 s: ATen's headers)."""
+    """Compiles `source` once per content (the probe takes about 30 s: ATen's headers). pytest-xdist workers may
+    compile it at once: each writes its own file and renames it into place."""
     BUILD.mkdir(parents=True, exist_ok=True)
-    src = BUILD / f"{name}.cpp"
-    obj = BUILD / f"{name}.o"
-    compiled = src.read_text() if src.exists() else None
-    if not obj.exists() or compiled != source:
+    key = hashlib.sha256((source + " ".join(includes)).encode()).hexdigest()[:16]
+    obj = BUILD / f"{name}-{key}.o"
+    if not obj.exists():
+        src = BUILD / f"{name}-{key}-{os.getpid()}.cpp"
         src.write_text(source)
         abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
         flags = [f"-I{i}" for i in includes]
-        _run(["g++", "-std=c++20", "-O1", "-fPIC", abi, *flags, "-c", src, "-o", obj])
+        partial = obj.with_suffix(f".{os.getpid()}.o")
+        _run(["g++", "-std=c++20", "-O1", "-fPIC", abi, *flags, "-c", src, "-o", partial])
+        os.replace(partial, obj)
+        src.unlink()
     return obj
 
 
@@ -79,10 +84,9 @@ def probe() -> Path:
     return _object("probe", PROBE, includes)
 
 
-def _link_and_run(name: str, obj: Path, libraries: list[str]) -> tuple[str, list[str]]:
-    """Links `obj` with `libraries` in that order (--as-needed, as Debian's and Ubuntu's default), runs it without
-    LD_LIBRARY_PATH; returns its output and its NEEDED entries."""
-    exe = BUILD / name
+def _link_and_run(exe: Path, obj: Path, libraries: list[str]) -> tuple[str, list[str]]:
+    """Links `obj` with `libraries` in that order (--as-needed, as Debian's and Ubuntu's default) into `exe`, runs
+    it without LD_LIBRARY_PATH; returns its output and its NEEDED entries."""
     # The executable's RUNPATH: where it finds its own direct dependencies, as CMake would set it.
     runpath = f"-Wl,-rpath,{TORCH_LN_LIB}:{TORCH_LIB}"
     _run(["g++", obj, "-o", exe, "-Wl,--as-needed", f"-L{TORCH_LN_LIB}", f"-L{TORCH_LIB}", runpath, *libraries])
@@ -109,16 +113,16 @@ LIBTORCH = ["-ltorch", "-ltorch_cpu", "-lc10"]
         pytest.param(LIBTORCH[::-1] + TORCH_LN, id="c10-first"),
     ],
 )
-def test_program_starts_in_any_link_order(probe, order):
-    out, needed = _link_and_run("probe", probe, order)
+def test_program_starts_in_any_link_order(probe, order, tmp_path):
+    out, needed = _link_and_run(tmp_path / "probe", probe, order)
     assert out.strip() == "ok"
     assert "libtorch_ln.so" in needed
 
 
-def test_program_without_libtorch_cuda_starts():
+def test_program_without_libtorch_cuda_starts(tmp_path):
     """libtorch_ln.so alone in the program: its CUDA dependencies (libc10_cuda, libtorch_cuda, libcudart where it has
     the CUDA kernels) come only through its own RUNPATH."""
-    out, needed = _link_and_run("empty", _object("empty", EMPTY, []), TORCH_LN)
+    out, needed = _link_and_run(tmp_path / "empty", _object("empty", EMPTY, []), TORCH_LN)
     assert needed[0] == "libtorch_ln.so" and not any("cuda" in n or "torch_cpu" in n for n in needed), needed
     assert out == ""
 
