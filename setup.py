@@ -42,6 +42,8 @@ LIBRARY = "torch_ln.lib.libtorch_ln"
 # The Python module of eager calls (csrc/python), linked against LIBRARY.
 MODULE = "torch_ln._C"
 VERSION = "0.1.0"
+# The installed torch's public release (2.14.1 of 2.14.1+cu130): what the range, the label and the pin name.
+TORCH_RELEASE = torch.__version__.split("+")[0]
 
 
 def _load_torch_range():
@@ -59,20 +61,19 @@ def _check_torch() -> None:
     # --no-build-isolation builds against whatever torch is installed: refuse one outside the supported range.
     from packaging.specifiers import SpecifierSet
 
-    release = torch.__version__.split("+")[0]
-    if release not in SpecifierSet(supported_torch()):
+    if TORCH_RELEASE not in SpecifierSet(supported_torch()):
         raise RuntimeError(
             f"torch_ln supports torch{supported_torch()} (pyproject.toml), but torch {torch.__version__} is installed"
         )
 
 
 def _version() -> str:
-    """The package version; TORCH_LN_LOCAL_VERSION=1 (scripts/build_wheels.sh) adds a local label naming the torch
+    """The package version; TORCH_LN_LOCAL_VERSION=1 (scripts/build_wheels.py) adds a local label naming the torch
     and the CUDA the wheel is built for (0.1.0+pt211cu130, 0.1.0+pt211cpu), so wheels for several torch releases
     can lie side by side in one folder or index."""
     if os.environ.get("TORCH_LN_LOCAL_VERSION", "0") in ("", "0"):
         return VERSION
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    major, minor = TORCH_RELEASE.split(".")[:2]
     cuda = f"cu{torch.version.cuda.replace('.', '')}" if _with_cuda() else "cpu"
     return f"{VERSION}+pt{major}{minor}{cuda}"
 
@@ -198,6 +199,6 @@ setup(
     # A binary extension works with the torch it was compiled against, and no other. The public version only: pip
     # rejects a local label (+cu130) against the index's torch and the torch<=X caps some installations carry;
     # import torch_ln still checks the full version (CUDA or CPU build) and says how to rebuild.
-    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
+    install_requires=[f"torch=={TORCH_RELEASE}"],
     cmdclass={"build_ext": BuildExtensions.with_options(use_ninja=True)},
 )
