@@ -21,19 +21,22 @@ c10::TypedOperatorHandle<Signature> find_operator(const char* name) {
 }  // namespace
 
 Tensor3 layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                       const OptTensor& bias, double eps) {
-  static const auto op = find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double)>(
-      "torch_ln::layer_norm_fwd");
-  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps);
+                       const OptTensor& bias, double eps, double weight_offset) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double, double)>(
+          "torch_ln::layer_norm_fwd");
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, weight_offset);
 }
 
 Tensor3 layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
                        const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
-                       std::array<bool, 3> output_mask) {
+                       std::array<bool, 3> output_mask, double weight_offset) {
   static const auto op =
       find_operator<Tensor3(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&, const at::Tensor&,
-                            const OptTensor&, const OptTensor&, std::array<bool, 3>)>("torch_ln::layer_norm_bwd");
-  return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), mean, rstd, weight, bias, output_mask);
+                            const OptTensor&, const OptTensor&, std::array<bool, 3>, double)>(
+          "torch_ln::layer_norm_bwd");
+  return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), mean, rstd, weight, bias, output_mask,
+                 weight_offset);
 }
 
 Tensor2 rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
@@ -58,49 +61,55 @@ using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using OptDtype = std::optional<at::ScalarType>;
 
 Tensor4 add_layer_norm_fwd(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
-                           const OptTensor& weight, const OptTensor& bias, double eps, OptDtype residual_dtype) {
-  static const auto op = find_operator<Tensor4(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&,
-                                               const OptTensor&, double, OptDtype)>("torch_ln::add_layer_norm_fwd");
-  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual_dtype);
+                           const OptTensor& weight, const OptTensor& bias, double eps, OptDtype residual_dtype,
+                           double weight_offset) {
+  static const auto op =
+      find_operator<Tensor4(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double,
+                            OptDtype, double)>("torch_ln::add_layer_norm_fwd");
+  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual_dtype,
+                 weight_offset);
 }
 
 Tensor3 add_layer_norm_bwd(const at::Tensor& grad_out, const OptTensor& grad_residual_out,
                            const at::Tensor& residual_out, at::IntArrayRef normalized_shape, const at::Tensor& mean,
                            const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
-                           std::array<bool, 3> output_mask) {
+                           std::array<bool, 3> output_mask, double weight_offset) {
   static const auto op =
       find_operator<Tensor3(const at::Tensor&, const OptTensor&, const at::Tensor&, Shape, const at::Tensor&,
-                            const at::Tensor&, const OptTensor&, const OptTensor&, std::array<bool, 3>)>(
+                            const at::Tensor&, const OptTensor&, const OptTensor&, std::array<bool, 3>, double)>(
           "torch_ln::add_layer_norm_bwd");
   return op.call(grad_out, grad_residual_out, residual_out, c10::fromIntArrayRefSlow(normalized_shape), mean, rstd,
-                 weight, bias, output_mask);
+                 weight, bias, output_mask, weight_offset);
 }
 
 Tensor3 add_rms_norm_fwd(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
-                         const OptTensor& weight, std::optional<double> eps, OptDtype residual_dtype) {
-  static const auto op = find_operator<Tensor3(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&,
-                                               std::optional<double>, OptDtype)>("torch_ln::add_rms_norm_fwd");
-  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, residual_dtype);
+                         const OptTensor& weight, std::optional<double> eps, OptDtype residual_dtype,
+                         double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&, std::optional<double>,
+                            OptDtype, double, bool)>("torch_ln::add_rms_norm_fwd");
+  return op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, residual_dtype,
+                 weight_offset, round_normalized);
 }
 
 Tensor2 add_rms_norm_bwd(const at::Tensor& grad_out, const OptTensor& grad_residual_out, const at::Tensor& residual_out,
                          at::IntArrayRef normalized_shape, const at::Tensor& rstd, const OptTensor& weight,
-                         std::array<bool, 2> output_mask) {
+                         std::array<bool, 2> output_mask, double weight_offset, bool round_normalized) {
   static const auto op =
       find_operator<Tensor2(const at::Tensor&, const OptTensor&, const at::Tensor&, Shape, const at::Tensor&,
-                            const OptTensor&, std::array<bool, 2>)>("torch_ln::add_rms_norm_bwd");
+                            const OptTensor&, std::array<bool, 2>, double, bool)>("torch_ln::add_rms_norm_bwd");
   return op.call(grad_out, grad_residual_out, residual_out, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight,
-                 output_mask);
+                 output_mask, weight_offset, round_normalized);
 }
 
 // The differentiable entry points: the operators of csrc/autograd.cpp.
 
 at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                      const OptTensor& bias, double eps) {
+                      const OptTensor& bias, double eps, double weight_offset) {
   static const auto op =
-      find_operator<at::Tensor(const at::Tensor&, at::IntArrayRef, const OptTensor&, const OptTensor&, double)>(
+      find_operator<at::Tensor(const at::Tensor&, at::IntArrayRef, const OptTensor&, const OptTensor&, double, double)>(
           "torch_ln::layer_norm");
-  return op.call(input, normalized_shape, weight, bias, eps);
+  return op.call(input, normalized_shape, weight, bias, eps, weight_offset);
 }
 
 at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
@@ -111,17 +120,21 @@ at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, c
 }
 
 Tensor2 add_layer_norm(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
-                       const OptTensor& weight, const OptTensor& bias, double eps, OptDtype residual_dtype) {
-  static const auto op = find_operator<Tensor2(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const OptTensor&,
-                                               const OptTensor&, double, OptDtype)>("torch_ln::add_layer_norm");
-  return op.call(input, residual, normalized_shape, weight, bias, eps, residual_dtype);
+                       const OptTensor& weight, const OptTensor& bias, double eps, OptDtype residual_dtype,
+                       double weight_offset) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const OptTensor&, const OptTensor&,
+                            double, OptDtype, double)>("torch_ln::add_layer_norm");
+  return op.call(input, residual, normalized_shape, weight, bias, eps, residual_dtype, weight_offset);
 }
 
 Tensor2 add_rms_norm(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
-                     const OptTensor& weight, std::optional<double> eps, OptDtype residual_dtype) {
-  static const auto op = find_operator<Tensor2(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const OptTensor&,
-                                               std::optional<double>, OptDtype)>("torch_ln::add_rms_norm");
-  return op.call(input, residual, normalized_shape, weight, eps, residual_dtype);
+                     const OptTensor& weight, std::optional<double> eps, OptDtype residual_dtype,
+                     double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const OptTensor&,
+                            std::optional<double>, OptDtype, double, bool)>("torch_ln::add_rms_norm");
+  return op.call(input, residual, normalized_shape, weight, eps, residual_dtype, weight_offset, round_normalized);
 }
 
 }  // namespace torch_ln

@@ -140,7 +140,8 @@ Grads norm_grads(const Attributes& a, const Saved& s, const at::Tensor& grad_out
     const std::array<bool, 2> weighed{wanted[0], wanted[1]};
     switch (a.norm) {
       case Norm::kLayer:
-        grads = as_grads(layer_norm_bwd(grad_out, s.norm_input, shape, s.mean, s.rstd, weight, bias, wanted));
+        grads = as_grads(
+            layer_norm_bwd(grad_out, s.norm_input, shape, s.mean, s.rstd, weight, bias, wanted, a.weight_offset));
         break;
       case Norm::kRms:
         grads = as_grads(std::tuple_cat(
@@ -149,12 +150,12 @@ Grads norm_grads(const Attributes& a, const Saved& s, const at::Tensor& grad_out
         break;
       case Norm::kAddLayer:
         grads = as_grads(add_layer_norm_bwd(grad_out, optional(grad_residual_out), s.norm_input, shape, s.mean, s.rstd,
-                                            weight, bias, wanted));
+                                            weight, bias, wanted, a.weight_offset));
         break;
       case Norm::kAddRms:
-        grads = as_grads(std::tuple_cat(
-            add_rms_norm_bwd(grad_out, optional(grad_residual_out), s.norm_input, shape, s.rstd, weight, weighed),
-            std::make_tuple(at::Tensor())));
+        grads = as_grads(std::tuple_cat(add_rms_norm_bwd(grad_out, optional(grad_residual_out), s.norm_input, shape,
+                                                         s.rstd, weight, weighed, a.weight_offset, a.round_normalized),
+                                        std::make_tuple(at::Tensor())));
         break;
     }
   }
@@ -338,14 +339,14 @@ auto record(Attributes attributes, std::initializer_list<at::Tensor*> outputs, c
 // Each operator records a node only when autograd would: otherwise it is the plain forward kernel.
 
 at::Tensor layer_norm_op(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                         const OptTensor& bias, double eps) {
+                         const OptTensor& bias, double eps, double weight_offset) {
   check_no_tangent("layer_norm", {input, weight, bias});
   auto [y, mean, rstd] = [&] {
     BelowAutogradAndAutocast guard;
-    return layer_norm_fwd(input, normalized_shape, weight, bias, eps);
+    return layer_norm_fwd(input, normalized_shape, weight, bias, eps, weight_offset);
   }();
   if (records({input, weight, bias})) {
-    record({Norm::kLayer, normalized_shape.vec(), eps}, {&y}, input, weight, bias)
+    record({Norm::kLayer, normalized_shape.vec(), eps, weight_offset}, {&y}, input, weight, bias)
         ->save(input, mean, rstd, weight, bias);
   }
   return y;
@@ -367,14 +368,15 @@ at::Tensor rms_norm_op(const at::Tensor& input, at::IntArrayRef normalized_shape
 
 std::tuple<at::Tensor, at::Tensor> add_layer_norm_op(const at::Tensor& input, const at::Tensor& residual,
                                                      at::IntArrayRef normalized_shape, const OptTensor& weight,
-                                                     const OptTensor& bias, double eps, OptDtype residual_dtype) {
+                                                     const OptTensor& bias, double eps, OptDtype residual_dtype,
+                                                     double weight_offset) {
   check_no_tangent("add_layer_norm", {input, residual, weight, bias});
   auto [y, residual_out, mean, rstd] = [&] {
     BelowAutogradAndAutocast guard;
-    return add_layer_norm_fwd(input, residual, normalized_shape, weight, bias, eps, residual_dtype);
+    return add_layer_norm_fwd(input, residual, normalized_shape, weight, bias, eps, residual_dtype, weight_offset);
   }();
   if (records({input, residual, weight, bias})) {
-    const Attributes a{Norm::kAddLayer,     normalized_shape.vec(), eps, 0.0, false,
+    const Attributes a{Norm::kAddLayer,     normalized_shape.vec(), eps, weight_offset, false,
                        input.scalar_type(), residual.scalar_type()};
     record(a, {&y, &residual_out}, input, residual, weight, bias)->save(residual_out, mean, rstd, weight, bias);
   }
@@ -383,14 +385,16 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm_op(const at::Tensor& input, co
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_op(const at::Tensor& input, const at::Tensor& residual,
                                                    at::IntArrayRef normalized_shape, const OptTensor& weight,
-                                                   std::optional<double> eps, OptDtype residual_dtype) {
+                                                   std::optional<double> eps, OptDtype residual_dtype,
+                                                   double weight_offset, bool round_normalized) {
   check_no_tangent("add_rms_norm", {input, residual, weight});
   auto [y, residual_out, rstd] = [&] {
     BelowAutogradAndAutocast guard;
-    return add_rms_norm_fwd(input, residual, normalized_shape, weight, eps, residual_dtype);
+    return add_rms_norm_fwd(input, residual, normalized_shape, weight, eps, residual_dtype, weight_offset,
+                            round_normalized);
   }();
   if (records({input, residual, weight})) {
-    const Attributes a{Norm::kAddRms,       normalized_shape.vec(), eps, 0.0, false,
+    const Attributes a{Norm::kAddRms,       normalized_shape.vec(), eps, weight_offset, round_normalized,
                        input.scalar_type(), residual.scalar_type()};
     record(a, {&y, &residual_out}, input, residual, weight)
         ->save(residual_out, at::Tensor(), rstd, weight, std::nullopt);
@@ -404,17 +408,17 @@ TORCH_LIBRARY_FRAGMENT(torch_ln, m) {
   // The differentiable entry points for eager code. torch.compile, torch.func and forward-mode AD take the *_fwd
   // operators (csrc/norm_ops.cpp), whose autograd Python registers.
   m.def(
-      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05)"
-      " -> Tensor");
+      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05,"
+      " float weight_offset=0.) -> Tensor");
   m.def(
       "rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None, float weight_offset=0.,"
       " bool round_normalized=False) -> Tensor");
   m.def(
       "add_layer_norm(Tensor input, Tensor residual, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None,"
-      " float eps=1e-05, ScalarType? residual_dtype=None) -> (Tensor, Tensor)");
+      " float eps=1e-05, ScalarType? residual_dtype=None, float weight_offset=0.) -> (Tensor, Tensor)");
   m.def(
       "add_rms_norm(Tensor input, Tensor residual, int[] normalized_shape, Tensor? weight=None, float? eps=None,"
-      " ScalarType? residual_dtype=None) -> (Tensor, Tensor)");
+      " ScalarType? residual_dtype=None, float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor)");
   // The gradients of a norm (centred: LayerNorm) in torch ops, differentiable, statistics recomputed: the
   // eager operators' double backward. The Python package registers it (torch_ln.reference.norm_backward).
   m.def(

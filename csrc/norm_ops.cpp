@@ -137,15 +137,17 @@ at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& opti
 
 void define_norm_schemas(torch::Library& m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  // weight_offset and round_normalized: see RoundingOptions (csrc/norm.h); the defaults are torch's arithmetic.
+  // LayerNorm takes the offset only (zero-centred weights: y = xhat * (1 + w) + b); round_normalized reproduces the
+  // Llama family's RMSNorm, and no LayerNorm class rounds that way.
   m.def(
-      "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps)"
-      " -> (Tensor, Tensor, Tensor)",
+      "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps,"
+      " float weight_offset=0.) -> (Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd,"
-      " Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      " Tensor? weight, Tensor? bias, bool[3] output_mask, float weight_offset=0.) -> (Tensor, Tensor, Tensor)",
       tags);
-  // weight_offset and round_normalized: see RoundingOptions (csrc/norm.h); the defaults are torch's arithmetic.
   m.def(
       "rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, float weight_offset=0.,"
       " bool round_normalized=False) -> (Tensor, Tensor)",
@@ -155,22 +157,24 @@ void define_norm_schemas(torch::Library& m) {
       " bool[2] output_mask, float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor)",
       tags);
   // Residual add + norm: (y, residual_out, statistics); the backward's first output is the gradient of
-  // residual_out, which is that of both input and residual.
+  // residual_out, which is that of both input and residual. The rounding options are the plain norms'.
   m.def(
       "add_layer_norm_fwd(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight, Tensor? bias,"
-      " float eps, ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
+      " float eps, ScalarType? residual_dtype, float weight_offset=0.) -> (Tensor, Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "add_layer_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, SymInt[] normalized_shape,"
-      " Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+      " Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, bool[3] output_mask, float weight_offset=0.)"
+      " -> (Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "add_rms_norm_fwd(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight, float? eps,"
-      " ScalarType? residual_dtype) -> (Tensor, Tensor, Tensor)",
+      " ScalarType? residual_dtype, float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "add_rms_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, SymInt[] normalized_shape,"
-      " Tensor rstd, Tensor? weight, bool[2] output_mask) -> (Tensor, Tensor)",
+      " Tensor rstd, Tensor? weight, bool[2] output_mask, float weight_offset=0., bool round_normalized=False)"
+      " -> (Tensor, Tensor)",
       tags);
 }
 

@@ -67,7 +67,7 @@ struct ResidualAdd {
 template <typename Backend>
 std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::Tensor& input,
                                       at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-                                      const std::optional<at::Tensor>& bias, double eps, RoundingOptions rounding = {},
+                                      const std::optional<at::Tensor>& bias, double eps, RoundingOptions rounding,
                                       const std::optional<ResidualAdd>& add = std::nullopt) {
   const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
   check_rounding(op, rounding, weight);
@@ -105,7 +105,7 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                                        const at::Tensor& input, at::IntArrayRef normalized_shape,
                                        const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                        const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                       std::array<bool, 3> output_mask, RoundingOptions rounding = {},
+                                       std::array<bool, 3> output_mask, RoundingOptions rounding,
                                        bool fused = false,
                                        const std::optional<at::Tensor>& grad_residual_out = std::nullopt) {
   // The parameters' dtypes are checked against the norm's output dtype, which is grad_out's.
@@ -152,8 +152,10 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                               const std::optional<at::Tensor>& weight,
-                                                              const std::optional<at::Tensor>& bias, double eps) {
-  const auto out = run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps);
+                                                              const std::optional<at::Tensor>& bias, double eps,
+                                                              double weight_offset) {
+  const auto out = run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps,
+                                        {weight_offset, false});
   return {out[0], out[2], out[3]};
 }
 
@@ -163,9 +165,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& 
                                                               const at::Tensor& rstd,
                                                               const std::optional<at::Tensor>& weight,
                                                               const std::optional<at::Tensor>& bias,
-                                                              std::array<bool, 3> output_mask) {
-  const auto [dx, dweight, dbias] = run_backward<Backend>(NormKind::LayerNorm, "layer_norm_backward", grad_out, input,
-                                                          normalized_shape, mean, rstd, weight, bias, output_mask);
+                                                              std::array<bool, 3> output_mask, double weight_offset) {
+  const auto [dx, dweight, dbias] =
+      run_backward<Backend>(NormKind::LayerNorm, "layer_norm_backward", grad_out, input, normalized_shape, mean, rstd,
+                            weight, bias, output_mask, {weight_offset, false});
   return {dx, dweight, dbias};
 }
 
@@ -197,9 +200,9 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
     const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    std::optional<at::ScalarType> residual_dtype) {
+    std::optional<at::ScalarType> residual_dtype, double weight_offset) {
   const auto out = run_forward<Backend>(NormKind::LayerNorm, "add_layer_norm", input, normalized_shape, weight, bias,
-                                        eps, {}, ResidualAdd{residual, residual_dtype});
+                                        eps, {weight_offset, false}, ResidualAdd{residual, residual_dtype});
   return {out[0], out[1], out[2], out[3]};
 }
 
@@ -207,10 +210,11 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
     at::IntArrayRef normalized_shape, const at::Tensor& mean, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask,
+    double weight_offset) {
   const auto [dh, dweight, dbias] =
       run_backward<Backend>(NormKind::LayerNorm, "add_layer_norm_backward", grad_out, residual_out, normalized_shape,
-                            mean, rstd, weight, bias, output_mask, {}, true, grad_residual_out);
+                            mean, rstd, weight, bias, output_mask, {weight_offset, false}, true, grad_residual_out);
   return {dh, dweight, dbias};
 }
 
@@ -219,10 +223,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(const at::Tensor
                                                                 at::IntArrayRef normalized_shape,
                                                                 const std::optional<at::Tensor>& weight,
                                                                 std::optional<double> eps,
-                                                                std::optional<at::ScalarType> residual_dtype) {
+                                                                std::optional<at::ScalarType> residual_dtype,
+                                                                double weight_offset, bool round_normalized) {
   const auto out = run_forward<Backend>(NormKind::RMSNorm, "add_rms_norm", input, normalized_shape, weight,
-                                        std::nullopt, eps.value_or(default_rms_eps(input.scalar_type())), {},
-                                        ResidualAdd{residual, residual_dtype});
+                                        std::nullopt, eps.value_or(default_rms_eps(input.scalar_type())),
+                                        {weight_offset, round_normalized}, ResidualAdd{residual, residual_dtype});
   return {out[0], out[1], out[3]};
 }
 
@@ -231,10 +236,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& grad_out,
                                                     const std::optional<at::Tensor>& grad_residual_out,
                                                     const at::Tensor& residual_out, at::IntArrayRef normalized_shape,
                                                     const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-                                                    std::array<bool, 2> output_mask) {
-  const auto grads = run_backward<Backend>(NormKind::RMSNorm, "add_rms_norm_backward", grad_out, residual_out,
-                                           normalized_shape, std::nullopt, rstd, weight, std::nullopt,
-                                           {output_mask[0], output_mask[1], false}, {}, true, grad_residual_out);
+                                                    std::array<bool, 2> output_mask, double weight_offset,
+                                                    bool round_normalized) {
+  const auto grads =
+      run_backward<Backend>(NormKind::RMSNorm, "add_rms_norm_backward", grad_out, residual_out, normalized_shape,
+                            std::nullopt, rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false},
+                            {weight_offset, round_normalized}, true, grad_residual_out);
   return {grads[0], grads[1]};
 }
 

@@ -57,13 +57,13 @@ def _arg_names(name: str) -> list[str]:
 
 
 def _norm_jvp(args: dict, tangents: dict, centred: bool) -> tuple[Tensor, ...]:
-    """Tangents of (y, mean, rstd) (RMSNorm: y, rstd) for y = xhat * weight + bias."""
+    """Tangents of (y, mean, rstd) (RMSNorm: y, rstd) for y = xhat * (weight + weight_offset) + bias."""
     input, weight, bias = args["input"], args["weight"], args.get("bias")
     xhat, _, rstd = reference.normalize(input, args["normalized_shape"], args["eps"], centred)
     dinput = tangents["input"] if tangents["input"] is not None else torch.zeros_like(input)
     dy, dmean, drstd = reference.normalization_jvp(xhat, rstd, dinput, len(args["normalized_shape"]), centred)
     if weight is not None:
-        dy = dy * weight.to(dy.dtype)
+        dy = dy * (weight.to(dy.dtype) + args["weight_offset"])
         if tangents["weight"] is not None:
             dy = dy + xhat * tangents["weight"].to(dy.dtype)
     if bias is not None and tangents["bias"] is not None:

@@ -14,24 +14,74 @@ from torch_ln import ops
 __all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "forward_converter", "register_norm", "replace_norms"]
 
 
-class LayerNorm(nn.LayerNorm):
+class _WeightOffset:
+    """The rounding options of the norm modules, as keywords of their constructors.
+
+    ``weight_offset``: the norm multiplies by ``weight + weight_offset`` (zero-centred weights with 1: Gemma's
+    ``1 + w``, TransformerEngine's ``zero_centered_gamma``). The state_dict holds ``weight`` itself, as torch's
+    modules do, and ``reset_parameters`` sets it to ``1 - weight_offset``, so that a new module multiplies by 1
+    (zeros for an offset of 1): weight decay then pulls toward the identity. ``round_normalized`` (RMSNorm only):
+    Llama's rounding, see :func:`torch_ln.rms_norm`. The class attributes are the defaults, which modules swapped in
+    by :func:`replace_norms` keep.
+    """
+
+    weight_offset: float = 0.0
+    round_normalized: bool = False
+
+    def _set_rounding(self, weight_offset: float, round_normalized: bool = False) -> None:
+        self.weight_offset, self.round_normalized = float(weight_offset), bool(round_normalized)
+        if self.weight_offset:
+            self.reset_parameters()  # the constructor's reset ran with no offset
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.weight is not None and self.weight_offset:
+            with torch.no_grad():
+                self.weight.fill_(1.0 - self.weight_offset)
+
+    def extra_repr(self) -> str:
+        options = [f"weight_offset={self.weight_offset}"] if self.weight_offset else []
+        options += ["round_normalized=True"] if self.round_normalized else []
+        return ", ".join([super().extra_repr(), *options])
+
+
+class LayerNorm(_WeightOffset, nn.LayerNorm):
     """:class:`torch.nn.LayerNorm` computed by torch_ln's kernels.
 
     It subclasses ``nn.LayerNorm``, so the constructor (``normalized_shape``, ``eps``,
     ``elementwise_affine``, ``bias``, ``device``, ``dtype``), the ``weight``/``bias``
     parameters (``None`` where torch has ``None``), ``reset_parameters``, ``extra_repr``,
-    the state_dict and ``isinstance(m, nn.LayerNorm)`` are torch's own.
+    the state_dict and ``isinstance(m, nn.LayerNorm)`` are torch's own. The keyword
+    ``weight_offset`` (default 0) gives zero-centred weights: ``y = xhat * (weight + weight_offset) + bias``.
     """
 
-    def forward(self, input: Tensor) -> Tensor:
-        return ops.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
-
-
-class RMSNorm(nn.RMSNorm):
-    """:class:`torch.nn.RMSNorm` computed by torch_ln's kernels (a subclass, like LayerNorm)."""
+    def __init__(self, *args, weight_offset: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._set_rounding(weight_offset)
 
     def forward(self, input: Tensor) -> Tensor:
-        return ops.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        return ops.layer_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, weight_offset=self.weight_offset
+        )
+
+
+class RMSNorm(_WeightOffset, nn.RMSNorm):
+    """:class:`torch.nn.RMSNorm` computed by torch_ln's kernels (a subclass, like LayerNorm), with the keywords
+    ``weight_offset`` and ``round_normalized`` of :func:`torch_ln.rms_norm`."""
+
+    def __init__(self, *args, weight_offset: float = 0.0, round_normalized: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._set_rounding(weight_offset, round_normalized)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return ops.rms_norm(
+            input,
+            self.normalized_shape,
+            self.weight,
+            self.eps,
+            weight_offset=self.weight_offset,
+            round_normalized=self.round_normalized,
+        )
 
 
 Converter = Callable[[nn.Module], nn.Module]
@@ -47,33 +97,60 @@ _UNRESOLVED: set[type] = set()
 logger = logging.getLogger("torch_ln")
 
 
-class AddLayerNorm(nn.LayerNorm):
+class AddLayerNorm(_WeightOffset, nn.LayerNorm):
     """Residual add + LayerNorm: ``forward(x, residual)`` returns ``(y, residual_out)`` (see
     :func:`torch_ln.add_layer_norm`).
 
-    Constructor, parameters and state_dict are ``nn.LayerNorm``'s, plus the keyword
-    ``residual_dtype`` (default ``None``: the input's dtype), which is not part of the state.
+    Constructor, parameters and state_dict are ``nn.LayerNorm``'s, plus the keywords
+    ``residual_dtype`` (default ``None``: the input's dtype), which is not part of the state,
+    and :class:`LayerNorm`'s ``weight_offset``.
     """
 
-    def __init__(self, *args, residual_dtype: torch.dtype | None = None, **kwargs) -> None:
+    def __init__(self, *args, residual_dtype: torch.dtype | None = None, weight_offset: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.residual_dtype = residual_dtype
+        self._set_rounding(weight_offset)
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         return ops.add_layer_norm(
-            x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.residual_dtype
+            x,
+            residual,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            self.residual_dtype,
+            weight_offset=self.weight_offset,
         )
 
 
-class AddRMSNorm(nn.RMSNorm):
-    """Residual add + RMSNorm: ``forward(x, residual)`` returns ``(y, residual_out)``, as :class:`AddLayerNorm`."""
+class AddRMSNorm(_WeightOffset, nn.RMSNorm):
+    """Residual add + RMSNorm: ``forward(x, residual)`` returns ``(y, residual_out)``, as :class:`AddLayerNorm`,
+    with :class:`RMSNorm`'s keywords ``weight_offset`` and ``round_normalized``."""
 
-    def __init__(self, *args, residual_dtype: torch.dtype | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        residual_dtype: torch.dtype | None = None,
+        weight_offset: float = 0.0,
+        round_normalized: bool = False,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.residual_dtype = residual_dtype
+        self._set_rounding(weight_offset, round_normalized)
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        return ops.add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps, self.residual_dtype)
+        return ops.add_rms_norm(
+            x,
+            residual,
+            self.normalized_shape,
+            self.weight,
+            self.eps,
+            self.residual_dtype,
+            weight_offset=self.weight_offset,
+            round_normalized=self.round_normalized,
+        )
 
 
 def register_norm(cls: type, converter: Converter) -> None:

@@ -54,16 +54,22 @@ def layer_norm(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    weight_offset: float = 0.0,
 ) -> Tensor:
     """Layer normalization over the trailing ``normalized_shape`` dimensions.
 
     Same signature and results as :func:`torch.nn.functional.layer_norm`. float16 and
     bfloat16 inputs may come with float32 ``weight``/``bias`` (the output keeps the
     input's dtype); statistics are accumulated in float32 (float64 for float64 input).
+
+    ``weight_offset``: the weight enters as ``weight + weight_offset``, added in float32
+    (zero-centred weights with 1: ``y = xhat * (1 + weight) + bias``, TransformerEngine's
+    ``zero_centered_gamma``, Megatron's ``apply_layernorm_1p``).
     """
     if _eager(input, weight, bias):
-        return _C.layer_norm(input, normalized_shape, weight, bias, eps)
-    return _ops.layer_norm_fwd.default(input, _as_shape(normalized_shape), weight, bias, eps)[0]
+        return _C.layer_norm(input, normalized_shape, weight, bias, eps, weight_offset)
+    return _ops.layer_norm_fwd.default(input, _as_shape(normalized_shape), weight, bias, eps, weight_offset)[0]
 
 
 def rms_norm(
@@ -104,6 +110,8 @@ def add_layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     residual_dtype: torch.dtype | None = None,
+    *,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Residual add and layer normalization in one pass: returns ``(y, residual_out)``.
 
@@ -111,12 +119,15 @@ def add_layer_norm(
     float32 residual stream under float16/bfloat16 ``x``), and ``y = layer_norm(residual_out)`` in
     ``x.dtype``. ``residual`` has ``x``'s shape and ``x.dtype`` or ``residual_dtype``. Both outputs
     are new tensors. The gradient of ``x`` and of ``residual`` is the same: that of ``residual_out``
-    through the norm plus the incoming gradient of ``residual_out``.
+    through the norm plus the incoming gradient of ``residual_out``. ``weight_offset`` is
+    :func:`layer_norm`'s.
     """
     if _eager(x, residual, weight, bias):
-        return _C.add_layer_norm(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
+        return _C.add_layer_norm(x, residual, normalized_shape, weight, bias, eps, residual_dtype, weight_offset)
     shape = _as_shape(normalized_shape)
-    y, residual_out, _, _ = _ops.add_layer_norm_fwd.default(x, residual, shape, weight, bias, eps, residual_dtype)
+    y, residual_out, _, _ = _ops.add_layer_norm_fwd.default(
+        x, residual, shape, weight, bias, eps, residual_dtype, weight_offset
+    )
     return y, residual_out
 
 
@@ -127,12 +138,21 @@ def add_rms_norm(
     weight: Tensor | None = None,
     eps: float | None = None,
     residual_dtype: torch.dtype | None = None,
+    *,
+    weight_offset: float = 0.0,
+    round_normalized: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Residual add and RMS normalization in one pass: returns ``(y, residual_out)``, as :func:`add_layer_norm`."""
+    """Residual add and RMS normalization in one pass: returns ``(y, residual_out)``, as :func:`add_layer_norm`.
+
+    ``weight_offset`` and ``round_normalized`` are :func:`rms_norm`'s (Gemma's and Llama's rounding): ``y`` is
+    ``rms_norm(residual_out, ...)`` with them, bit for bit.
+    """
     if _eager(x, residual, weight):
-        return _C.add_rms_norm(x, residual, normalized_shape, weight, eps, residual_dtype)
+        return _C.add_rms_norm(
+            x, residual, normalized_shape, weight, eps, residual_dtype, weight_offset, round_normalized
+        )
     y, residual_out, _ = _ops.add_rms_norm_fwd.default(
-        x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype
+        x, residual, _as_shape(normalized_shape), weight, eps, residual_dtype, weight_offset, round_normalized
     )
     return y, residual_out
 
@@ -162,7 +182,7 @@ def _unrequested(input: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("torch_ln::layer_norm_fwd")
-def _(input, normalized_shape, weight, bias, eps):
+def _(input, normalized_shape, weight, bias, eps, weight_offset=0.0):
     return (
         torch.empty_like(input, memory_format=torch.contiguous_format),
         _statistics(input, normalized_shape),
@@ -180,13 +200,13 @@ def _residual_out(input: Tensor, residual_dtype: torch.dtype | None) -> Tensor:
 
 
 @torch.library.register_fake("torch_ln::add_layer_norm_fwd")
-def _(input, residual, normalized_shape, weight, bias, eps, residual_dtype):
+def _(input, residual, normalized_shape, weight, bias, eps, residual_dtype, weight_offset=0.0):
     stats = _statistics(input, normalized_shape), _statistics(input, normalized_shape)
     return torch.empty_like(input, memory_format=torch.contiguous_format), _residual_out(input, residual_dtype), *stats
 
 
 @torch.library.register_fake("torch_ln::add_rms_norm_fwd")
-def _(input, residual, normalized_shape, weight, eps, residual_dtype):
+def _(input, residual, normalized_shape, weight, eps, residual_dtype, weight_offset=0.0, round_normalized=False):
     y = torch.empty_like(input, memory_format=torch.contiguous_format)
     return y, _residual_out(input, residual_dtype), _statistics(input, normalized_shape)
 
@@ -201,7 +221,7 @@ def _fake_grads(input: Tensor, params: Sequence[Tensor | None], output_mask: Seq
 
 
 @torch.library.register_fake("torch_ln::layer_norm_bwd")
-def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, weight_offset=0.0):
     return _fake_grads(input, (weight, bias), output_mask)
 
 
@@ -211,12 +231,22 @@ def _(grad_out, input, normalized_shape, rstd, weight, output_mask, weight_offse
 
 
 @torch.library.register_fake("torch_ln::add_layer_norm_bwd")
-def _(grad_out, grad_residual_out, residual_out, normalized_shape, mean, rstd, weight, bias, output_mask):
+def _(grad_out, grad_residual_out, residual_out, normalized_shape, mean, rstd, weight, bias, output_mask, weight_offset=0.0):
     return _fake_grads(residual_out, (weight, bias), output_mask)
 
 
 @torch.library.register_fake("torch_ln::add_rms_norm_bwd")
-def _(grad_out, grad_residual_out, residual_out, normalized_shape, rstd, weight, output_mask):
+def _(
+    grad_out,
+    grad_residual_out,
+    residual_out,
+    normalized_shape,
+    rstd,
+    weight,
+    output_mask,
+    weight_offset=0.0,
+    round_normalized=False,
+):
     return _fake_grads(residual_out, (weight,), output_mask)
 
 
@@ -245,34 +275,52 @@ def _sum_rows(grad_out: Tensor, normalized_shape: Sequence[int], dtype: torch.dt
     return grad_out.sum(batch_dims, dtype=reference.accumulation_dtype(dtype)).to(dtype)
 
 
+_ROUNDING_DEFAULTS = {"weight_offset": 0.0, "round_normalized": False}
+
+
+def _rounding_options(options: Sequence, centred: bool) -> dict:
+    """The rounding arguments of a backward op, by name, from the forward's trailing arguments: weight_offset, and
+    for RMSNorm round_normalized; the schema's defaults where a caller of the raw operator left them out."""
+    names = ("weight_offset",) if centred else ("weight_offset", "round_normalized")
+    return {name: options[i] if i < len(options) else _ROUNDING_DEFAULTS[name] for i, name in enumerate(names)}
+
+
+def _offset_weight(weight: Tensor | None, rounding: dict) -> Tensor | None:
+    """The weight the norm multiplies by (weight + weight_offset), for the closed-form double backward; dweight is
+    the same with or without the offset."""
+    offset = rounding["weight_offset"]
+    return weight + offset if weight is not None and offset else weight
+
+
 def _layer_norm_setup_context(ctx, inputs, output):
-    input, normalized_shape, weight, bias, eps = inputs
+    input, normalized_shape, weight, bias, eps, *options = inputs
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
+    ctx.rounding = _rounding_options(options, centred=True)
     _save_for_backward(ctx, input, weight, bias, output[1:])
 
 
 def _layer_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     input, weight, bias, mean, rstd = ctx.saved_tensors
-    needs_dx, _, needs_dweight, needs_dbias, _ = ctx.needs_input_grad
+    needs_dx, _, needs_dweight, needs_dbias, *_ = ctx.needs_input_grad
     if input is None:
-        return None, None, None, _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype), None
+        return None, None, None, _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype), None, None
     if _needs_double_backward(grad_out, input, weight, bias):
         dx, dweight, dbias = reference.norm_backward(
-            grad_out, input, ctx.normalized_shape, weight, bias, ctx.eps, centred=True
+            grad_out, input, ctx.normalized_shape, _offset_weight(weight, ctx.rounding), bias, ctx.eps, centred=True
         )
     else:
+        mask = [needs_dx, needs_dweight, needs_dbias]
         dx, dweight, dbias = _ops.layer_norm_bwd(
-            grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, [needs_dx, needs_dweight, needs_dbias]
+            grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, **ctx.rounding
         )
-    return (dx if needs_dx else None, None, dweight if needs_dweight else None, dbias if needs_dbias else None, None)
+    dweight, dbias = (dweight if needs_dweight else None), (dbias if needs_dbias else None)
+    return dx if needs_dx else None, None, dweight, dbias, None, None
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    input, normalized_shape, weight, eps, *rounding = inputs
+    input, normalized_shape, weight, eps, *options = inputs
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
-    # The schema's defaults where a caller of the raw operator left them out.
-    weight_offset, round_normalized = (*rounding, *(0.0, False)[len(rounding) :])
-    ctx.rounding = {"weight_offset": weight_offset, "round_normalized": round_normalized}
+    ctx.rounding = _rounding_options(options, centred=False)
     _save_for_backward(ctx, input, weight, None, output[1:])
 
 
@@ -280,16 +328,14 @@ def _rms_norm_backward(ctx, grad_out, _grad_rstd):
     input, weight, _, rstd = ctx.saved_tensors
     needs_dx, _, needs_dweight, *_ = ctx.needs_input_grad
     if _needs_double_backward(grad_out, input, weight):
-        # The offset enters as weight + offset (dweight is the same); round_normalized's roundings are not
-        # differentiable and this closed form leaves them out: it differs from the kernel by those roundings only.
-        offset_weight = weight + ctx.rounding["weight_offset"] if weight is not None else None
+        # round_normalized's roundings are not differentiable and this closed form leaves them out: it differs from
+        # the kernel by those roundings only.
         dx, dweight, _ = reference.norm_backward(
-            grad_out, input, ctx.normalized_shape, offset_weight, None, ctx.eps, centred=False
+            grad_out, input, ctx.normalized_shape, _offset_weight(weight, ctx.rounding), None, ctx.eps, centred=False
         )
     else:
-        rounding = ctx.rounding.values()
         dx, dweight = _ops.rms_norm_bwd(
-            grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight], *rounding
+            grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight], **ctx.rounding
         )
     return dx if needs_dx else None, None, dweight if needs_dweight else None, None, None, None
 
@@ -300,8 +346,10 @@ def _rms_norm_backward(ctx, grad_out, _grad_rstd):
 
 def _add_norm_setup_context(ctx, inputs, output):
     input, residual, normalized_shape, weight, *rest = inputs
-    bias = rest[0] if len(rest) == 3 else None
-    ctx.normalized_shape, ctx.eps = list(normalized_shape), rest[-2]
+    layer = len(output) == 4  # (y, residual_out, mean, rstd); RMSNorm has no mean (and no bias argument)
+    bias, eps, _residual_dtype, *options = rest if layer else (None, *rest)
+    ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
+    ctx.rounding = _rounding_options(options, centred=layer)
     ctx.input_dtype, ctx.residual_dtype = input.dtype, residual.dtype
     needs_dx, needs_dresidual, _, needs_dweight, *_ = ctx.needs_input_grad
     ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -320,14 +368,16 @@ def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
         dh = dweight = None
         dbias = _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype)
     elif _needs_double_backward(grad_out, grad_residual_out, residual_out, weight, bias):
+        offset_weight = _offset_weight(weight, ctx.rounding)
         dh, dweight, dbias = reference.norm_backward(
-            grad_out, residual_out, ctx.normalized_shape, weight, bias, ctx.eps, centred=layer
+            grad_out, residual_out, ctx.normalized_shape, offset_weight, bias, ctx.eps, centred=layer
         )
         dh = dh + grad_residual_out if needs_dh else None
     elif layer:
         mask = [needs_dh, needs_dweight, needs_dbias]
         dh, dweight, dbias = _ops.add_layer_norm_bwd(
-            grad_out, grad_residual_out, residual_out, ctx.normalized_shape, *statistics, weight, bias, mask
+            grad_out, grad_residual_out, residual_out, ctx.normalized_shape, *statistics, weight, bias, mask,
+            **ctx.rounding,
         )
     else:
         dh, dweight = _ops.add_rms_norm_bwd(
@@ -338,6 +388,7 @@ def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
             *statistics,
             weight,
             [needs_dh, needs_dweight],
+            **ctx.rounding,
         )
         dbias = None
     grads = [
@@ -346,7 +397,8 @@ def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
         None,
         dweight if needs_dweight else None,
     ]
-    return (*grads, dbias if needs_dbias else None, None, None) if layer else (*grads, None, None)
+    # None for eps, residual_dtype and the rounding options (weight_offset[, round_normalized]).
+    return (*grads, dbias if needs_dbias else None, None, None, None) if layer else (*grads, None, None, None, None)
 
 
 def _needs_double_backward(*tensors: Tensor | None) -> bool:

@@ -42,13 +42,14 @@ def layer_norm(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     eps: float = 1e-5,
+    weight_offset: float = 0.0,
 ) -> Tensor:
-    """(x - mean) * rstd * weight + bias, statistics in float32 (float64 for float64 input)."""
+    """(x - mean) * rstd * (weight + weight_offset) + bias, statistics in float32 (float64 for float64 input)."""
     x = input.to(accumulation_dtype(input.dtype))
     mean, rstd = layer_norm_statistics(x, normalized_shape, eps)
     y = (x - mean) * rstd
     if weight is not None:
-        y = y * weight.to(y.dtype)
+        y = y * (weight.to(y.dtype) + weight_offset)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(input.dtype)

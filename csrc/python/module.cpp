@@ -72,12 +72,13 @@ std::optional<at::ScalarType> optional_dtype_arg(py::handle arg, const char* op,
 // Python warning (wrap_pybind_function); the GIL is released while the operator runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm", torch::wrap_pybind_function([](const at::Tensor& input, py::handle shape, const OptTensor& weight,
-                                                     const OptTensor& bias, py::handle eps) {
+                                                     const OptTensor& bias, py::handle eps, py::handle weight_offset) {
           constexpr const char* op = "torch_ln.layer_norm";
           const auto sizes = shape_arg(shape, op);
           const double eps_value = float_arg(eps, op, "eps");
+          const double offset = float_arg(weight_offset, op, "weight_offset");
           py::gil_scoped_release no_gil;
-          return torch_ln::layer_norm(input, sizes, weight, bias, eps_value);
+          return torch_ln::layer_norm(input, sizes, weight, bias, eps_value, offset);
         }));
   m.def("rms_norm",
         torch::wrap_pybind_function([](const at::Tensor& input, py::handle shape, const OptTensor& weight,
@@ -93,22 +94,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_layer_norm",
         torch::wrap_pybind_function([](const at::Tensor& input, const at::Tensor& residual, py::handle shape,
                                        const OptTensor& weight, const OptTensor& bias, py::handle eps,
-                                       py::handle residual_dtype) {
+                                       py::handle residual_dtype, py::handle weight_offset) {
           constexpr const char* op = "torch_ln.add_layer_norm";
           const auto sizes = shape_arg(shape, op);
           const double eps_value = float_arg(eps, op, "eps");
           const auto dtype = optional_dtype_arg(residual_dtype, op, "residual_dtype");
+          const double offset = float_arg(weight_offset, op, "weight_offset");
           py::gil_scoped_release no_gil;
-          return torch_ln::add_layer_norm(input, residual, sizes, weight, bias, eps_value, dtype);
+          return torch_ln::add_layer_norm(input, residual, sizes, weight, bias, eps_value, dtype, offset);
         }));
   m.def("add_rms_norm",
         torch::wrap_pybind_function([](const at::Tensor& input, const at::Tensor& residual, py::handle shape,
-                                       const OptTensor& weight, py::handle eps, py::handle residual_dtype) {
+                                       const OptTensor& weight, py::handle eps, py::handle residual_dtype,
+                                       py::handle weight_offset, py::handle round_normalized) {
           constexpr const char* op = "torch_ln.add_rms_norm";
           const auto sizes = shape_arg(shape, op);
           const auto eps_value = optional_float_arg(eps, op, "eps");
           const auto dtype = optional_dtype_arg(residual_dtype, op, "residual_dtype");
+          const double offset = float_arg(weight_offset, op, "weight_offset");
+          const bool round = bool_arg(round_normalized, op, "round_normalized");
           py::gil_scoped_release no_gil;
-          return torch_ln::add_rms_norm(input, residual, sizes, weight, eps_value, dtype);
+          return torch_ln::add_rms_norm(input, residual, sizes, weight, eps_value, dtype, offset, round);
         }));
 }

@@ -82,11 +82,11 @@ def _torch_norm(kind, eps):
 
 def _emulated(kind, x, weight, bias, dy, eps, mask=(True, True, True), **rounding):
     """Forward and backward through the emulated kernels: y, dx, dweight, dbias, and the statistics.
-    `rounding`: rms_norm's weight_offset / round_normalized."""
+    `rounding`: weight_offset (both kinds) and round_normalized (rms_norm)."""
     shape = [x.shape[-1]]
     if kind == "layer":
-        y, mean, rstd = ops.layer_norm_fwd(x, shape, weight, bias, eps)
-        dx, dw, db = ops.layer_norm_bwd(dy, x, shape, mean, rstd, weight, bias, list(mask))
+        y, mean, rstd = ops.layer_norm_fwd(x, shape, weight, bias, eps, **rounding)
+        dx, dw, db = ops.layer_norm_bwd(dy, x, shape, mean, rstd, weight, bias, list(mask), **rounding)
         return [y, dx, dw, db], (mean, rstd)
     y, rstd = ops.rms_norm_fwd(x, shape, weight, eps, **rounding)
     dx, dw = ops.rms_norm_bwd(dy, x, shape, rstd, weight, list(mask[:2]), **rounding)
@@ -104,7 +104,9 @@ def _check_against_torch(kind, x, weight, bias, dy, eps=1e-5, **rounding):
     model) in the input's precision; each within 2x the yardstick's error from float64 plus a floor."""
     ours, stats = _emulated(kind, x, weight, bias, dy, eps, **rounding)
     fn = _torch_norm(kind, eps)
-    if rounding:
+    if rounding and kind == "layer":
+        fn = lambda x, w, b: reference.layer_norm(x, x.shape[-1:], w, b, eps, **rounding)
+    elif rounding:
         fn = lambda x, w, b: reference.rms_norm(x, x.shape[-1:], w, eps, **rounding)
     # torch's CPU backward rejects a float32 bias with no weight beside a half input;
     # a weight of ones gives it the same computation.
@@ -794,15 +796,17 @@ def test_forward_long_rows_deterministic_and_batch_invariant(kind, cluster):
     assert torch.equal(six[5], alone[0]) and torch.equal(twelve[5], alone[0]) and torch.equal(twelve, again)
 
 
-def _emulated_add(kind, x, residual, weight, bias, dy, dh_out, eps, residual_dtype=None):
-    """The fused residual add + norm through the emulated kernels: y, residual_out, d(residual_out), dw, db."""
+def _emulated_add(kind, x, residual, weight, bias, dy, dh_out, eps, residual_dtype=None, **rounding):
+    """The fused residual add + norm through the emulated kernels: y, residual_out, d(residual_out), dw, db.
+    `rounding`: as _emulated's."""
     shape = [x.shape[-1]]
     if kind == "layer":
-        y, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, shape, weight, bias, eps, residual_dtype)
-        dh, dw, db = ops.add_layer_norm_bwd(dy, dh_out, h, shape, mean, rstd, weight, bias, [True, True, True])
+        y, h, mean, rstd = ops.add_layer_norm_fwd(x, residual, shape, weight, bias, eps, residual_dtype, **rounding)
+        mask = [True, True, True]
+        dh, dw, db = ops.add_layer_norm_bwd(dy, dh_out, h, shape, mean, rstd, weight, bias, mask, **rounding)
         return y, h, dh, dw, db
-    y, h, rstd = ops.add_rms_norm_fwd(x, residual, shape, weight, eps, residual_dtype)
-    dh, dw = ops.add_rms_norm_bwd(dy, dh_out, h, shape, rstd, weight, [True, True])
+    y, h, rstd = ops.add_rms_norm_fwd(x, residual, shape, weight, eps, residual_dtype, **rounding)
+    dh, dw = ops.add_rms_norm_bwd(dy, dh_out, h, shape, rstd, weight, [True, True], **rounding)
     return y, h, dh, dw, None
 
 
@@ -811,18 +815,29 @@ def _emulated_add(kind, x, residual, weight, bias, dy, dh_out, eps, residual_dty
 ADD_CASES = [(5, 7), (33, 64), (6, 1024), (2, 4096), (2, 9001), (1, 33001), (2, 40000)]
 
 
-@pytest.mark.parametrize("kind", ["layer", "rms"])
+# The rounding options of the fused ops (the plain norms'): LayerNorm's offset (zero-centred weights), RMSNorm's
+# offset and Llama's rounding.
+ADD_ROUNDING = [
+    pytest.param("layer", {}, id="layer"),
+    pytest.param("rms", {}, id="rms"),
+    pytest.param("layer", {"weight_offset": 1.0}, id="layer-weight_offset"),
+    pytest.param("rms", {"weight_offset": 1.0, "round_normalized": True}, id="rms-both"),
+]
+
+
+@pytest.mark.parametrize("kind,rounding", ADD_ROUNDING)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows,cols", ADD_CASES)
-def test_residual_add_is_the_plain_norm_of_the_sum(kind, dtype, rows, cols):
-    """Bitwise: residual_out is torch's x + residual, y the plain emulated norm of it, and d(residual_out) the plain
-    emulated dx plus the incoming gradient of residual_out (in float32/float64 both round that sum once)."""
+def test_residual_add_is_the_plain_norm_of_the_sum(kind, rounding, dtype, rows, cols):
+    """Bitwise: residual_out is torch's x + residual, y the plain emulated norm of it (with the same rounding
+    options), and d(residual_out) the plain emulated dx plus the incoming gradient of residual_out (in
+    float32/float64 both round that sum once)."""
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
     g = torch.Generator().manual_seed(7)
     residual = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
     dh_out = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
-    y, h, dh, dw, db = _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5)
-    plain, _ = _emulated(kind, x + residual, weight, bias, dy, 1e-5)
+    y, h, dh, dw, db = _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5, **rounding)
+    plain, _ = _emulated(kind, x + residual, weight, bias, dy, 1e-5, **rounding)
     assert torch.equal(h, x + residual)
     assert torch.equal(y, plain[0])
     assert torch.equal(dh, plain[1] + dh_out)
@@ -960,3 +975,16 @@ def test_rms_norm_rounding_options(rounding, dtype, param_dtype, rows, cols):
     y, rstd = ops.rms_norm_fwd(x, [cols], weight, 1e-5, **rounding)
     assert torch.equal(y, reference.apply_weight(x, x.to(rstd.dtype) * rstd, weight, **rounding))
     _check_against_torch("rms", x, weight, None, dy, **rounding)
+
+
+@pytest.mark.parametrize("affine", [(True, True), (True, False)])
+@pytest.mark.parametrize("dtype,param_dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,cols",
+    [(1, 1021), (33, 64), (6, 1024), (2, 16384), (1, 40000)],  # as above; the forward's shared-memory path
+)
+def test_layer_norm_weight_offset(affine, dtype, param_dtype, rows, cols):
+    """LayerNorm with zero-centred weights (weight_offset=1) against autograd of torch_ln.reference (y = xhat *
+    (weight + 1) + bias in the accumulation dtype), by the accuracy rule."""
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, affine)
+    _check_against_torch("layer", x, weight, bias, dy, weight_offset=1.0)

@@ -23,10 +23,12 @@
 
 namespace torch_ln {
 
-// As torch::layer_norm: normalizes over the trailing normalized_shape dimensions of input.
+// As torch::layer_norm: normalizes over the trailing normalized_shape dimensions of input. weight_offset: the weight
+// enters as (weight + weight_offset), zero-centred weights (1 + w), as in Python's torch_ln.layer_norm.
 TORCH_LN_API at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                    const std::optional<at::Tensor>& weight = std::nullopt,
-                                   const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+                                   const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
+                                   double weight_offset = 0.0);
 
 // As torch::rms_norm; eps = nullopt is torch's default, the machine epsilon of the accumulation dtype.
 // weight_offset and round_normalized reproduce Gemma's and Llama's rounding, as in Python's torch_ln.rms_norm.
@@ -40,13 +42,14 @@ TORCH_LN_API at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normal
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_layer_norm(
     const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight = std::nullopt, const std::optional<at::Tensor>& bias = std::nullopt,
-    double eps = 1e-5, std::optional<at::ScalarType> residual_dtype = std::nullopt);
+    double eps = 1e-5, std::optional<at::ScalarType> residual_dtype = std::nullopt, double weight_offset = 0.0);
 
-// As add_layer_norm, with rms_norm.
+// As add_layer_norm, with rms_norm (and its rounding options).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(
     const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight = std::nullopt, std::optional<double> eps = std::nullopt,
-    std::optional<at::ScalarType> residual_dtype = std::nullopt);
+    std::optional<at::ScalarType> residual_dtype = std::nullopt, double weight_offset = 0.0,
+    bool round_normalized = false);
 
 // The operator torch_ln::layer_norm_fwd: (output, mean, rstd), statistics in float32 (float64 for float64
 // input) with the input's batch dimensions and a 1 for each normalized dimension, as aten::native_layer_norm.
@@ -54,14 +57,14 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const
                                                                            at::IntArrayRef normalized_shape,
                                                                            const std::optional<at::Tensor>& weight,
                                                                            const std::optional<at::Tensor>& bias,
-                                                                           double eps);
+                                                                           double eps, double weight_offset = 0);
 
 // The operator torch_ln::layer_norm_bwd: (grad_input, grad_weight, grad_bias) from layer_norm_fwd's statistics.
 // A gradient not asked for in output_mask (or without its parameter) comes back as an empty tensor.
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape, const at::Tensor& mean,
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    std::array<bool, 3> output_mask);
+    std::array<bool, 3> output_mask, double weight_offset = 0);
 
 // The operator torch_ln::rms_norm_fwd: (output, rstd). weight_offset and round_normalized reproduce other
 // libraries' rounding (see the README: Gemma's 1 + weight, Llama's rounding before the weight product).
@@ -81,25 +84,27 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& g
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
     const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
-    std::optional<at::ScalarType> residual_dtype);
+    std::optional<at::ScalarType> residual_dtype, double weight_offset = 0);
 
 // The operator torch_ln::add_layer_norm_bwd: (grad of residual_out, which is that of input and of residual, in
 // residual_out's dtype; grad_weight; grad_bias). grad_residual_out (undefined: none) is added to the first.
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
     at::IntArrayRef normalized_shape, const at::Tensor& mean, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask,
+    double weight_offset = 0);
 
 // The operator torch_ln::add_rms_norm_fwd: (output, residual_out, rstd).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(
     const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
-    const std::optional<at::Tensor>& weight, std::optional<double> eps, std::optional<at::ScalarType> residual_dtype);
+    const std::optional<at::Tensor>& weight, std::optional<double> eps, std::optional<at::ScalarType> residual_dtype,
+    double weight_offset = 0, bool round_normalized = false);
 
 // The operator torch_ln::add_rms_norm_bwd: (grad of residual_out, grad_weight), as add_layer_norm_bwd.
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& residual_out,
     at::IntArrayRef normalized_shape, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
-    std::array<bool, 2> output_mask);
+    std::array<bool, 2> output_mask, double weight_offset = 0, bool round_normalized = false);
 
 // The CPU output cache: freed CPU outputs (y, residual_out, dx) of 1 MiB or more, kept for the next call of the same
 // size (up to TORCH_LN_OUTPUT_CACHE_MB, default 256; 0 turns it off). empty_output_cache returns them to the system
