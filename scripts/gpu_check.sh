@@ -154,6 +154,12 @@ if wants bench; then
   bench bench_layer_norm 150 benchmarks/bench_layer_norm.py
   bench bench_add_layer_norm 60 benchmarks/bench_add_norm.py --op layer_norm --D 4096
   bench bench_rms_norm 120 benchmarks/bench_rms_norm.py --D 4096 32768 262144
+  # The compile pass (issue 41): a Llama decoder block's training step, compiled with and without torch_ln.compile.
+  step "compile pass (bench_compile_pass.py: decoder block, fwd+bwd, bfloat16)"
+  timeout 150 python3 benchmarks/bench_compile_pass.py --device cuda --dtype bfloat16 --quick --cases block \
+    --steps fwd+bwd --batch 4 --seq 1024 --hidden 2048 --out "$WORK/bench/compile_pass" > "$WORK/bench_compile_pass.txt" 2>&1
+  note "bench_compile_pass exit: $?"
+  pack
   step "kernel model: measured beside predicted (the benchmark's cases)"
   timeout 90 python3 benchmarks/kernel_model.py --compare "$WORK"/bench/{layer,rms}_norm_cuda.csv \
     > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"

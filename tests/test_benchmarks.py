@@ -85,3 +85,20 @@ def test_latency_benchmark(tmp_path):
         assert float(row["us_per_call"]) > 0, row
         if row["provider"] == "torch_ln":
             assert row["check"] == "ok", row
+
+
+def test_compile_pass_benchmark(tmp_path):
+    # benchmarks/bench_compile_pass.py at a tiny size with the aot_eager inner backend (Inductor's code generation
+    # would take minutes here): every case, step and provider, and the pass's output bitwise the swapped model's.
+    args = ["--device", "cpu", "--quick", "--hidden", "64", "--seq", "16", "--layers", "2", "--inner", "aot_eager"]
+    rows = _run("bench_compile_pass.py", args, tmp_path)
+    assert {(r["case"], r["step"], r["provider"]) for r in rows} == {
+        (case, step, provider)
+        for case in ("block", "model")
+        for step in ("fwd", "fwd+bwd")
+        for provider in ("compile", "pass", "swapped")
+    }
+    assert len(rows) == 12
+    for row in rows:
+        assert float(row["ms"]) > 0, row
+        assert row["check"] == ("bitwise" if row["provider"] == "pass" else ""), row

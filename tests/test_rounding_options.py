@@ -274,9 +274,7 @@ MODULES = [
     pytest.param(torch_ln.LayerNorm, {"weight_offset": OFFSET}, nn.LayerNorm, id="LayerNorm"),
     pytest.param(torch_ln.RMSNorm, {"weight_offset": OFFSET, "round_normalized": True}, nn.RMSNorm, id="RMSNorm"),
     pytest.param(torch_ln.AddLayerNorm, {"weight_offset": OFFSET}, nn.LayerNorm, id="AddLayerNorm"),
-    pytest.param(
-        torch_ln.AddRMSNorm, {"weight_offset": OFFSET, "round_normalized": True}, nn.RMSNorm, id="AddRMSNorm"
-    ),
+    pytest.param(torch_ln.AddRMSNorm, {"weight_offset": OFFSET, "round_normalized": True}, nn.RMSNorm, id="AddRMSNorm"),
 ]
 
 
@@ -301,7 +299,9 @@ def test_module_options(cls, options, torch_cls):
     functional = {
         torch_ln.LayerNorm: lambda: torch_ln.layer_norm(x, (16,), module.weight, module.bias, **options),
         torch_ln.RMSNorm: lambda: torch_ln.rms_norm(x, (16,), module.weight, **options),
-        torch_ln.AddLayerNorm: lambda: torch_ln.add_layer_norm(x, residual, (16,), module.weight, module.bias, **options),
+        torch_ln.AddLayerNorm: lambda: torch_ln.add_layer_norm(
+            x, residual, (16,), module.weight, module.bias, **options
+        ),
         torch_ln.AddRMSNorm: lambda: torch_ln.add_rms_norm(x, residual, (16,), module.weight, **options),
     }[cls]
     _assert_equal_outputs(module(*inputs), functional())

@@ -4,7 +4,9 @@ Entry points: :func:`layer_norm`, :func:`rms_norm` (functional), :class:`LayerNo
 :class:`RMSNorm` (drop-ins for the torch.nn modules), :func:`replace_norms` (also for transformers' and
 timm's norm classes, see :mod:`torch_ln.integrations`) and :func:`register_norm`; the fused residual
 add + norm of pre-norm transformers: :func:`add_layer_norm`, :func:`add_rms_norm`, :class:`AddLayerNorm`,
-:class:`AddRMSNorm`; for C++, :func:`cmake_prefix_path` (find_package(torch_ln) gives the target torch_ln::torch_ln).
+:class:`AddRMSNorm`; :mod:`torch_ln.compile`, a torch.compile backend that rewrites a model's norms (inline, torch's, and
+the adds before them) to these operators without swapping modules; for C++, :func:`cmake_prefix_path`
+(find_package(torch_ln) gives the target torch_ln::torch_ln).
 """
 
 from torch_ln import _extension
@@ -18,7 +20,7 @@ import sys
 
 import torch
 
-from torch_ln import integrations
+from torch_ln import compile, integrations
 from torch_ln._extension import cmake_prefix_path
 from torch_ln.modules import (
     AddLayerNorm,
@@ -64,6 +66,7 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "cmake_prefix_path",
+    "compile",
     "empty_output_cache",
     "forward_converter",
     "integrations",

@@ -231,7 +231,18 @@ def _(grad_out, input, normalized_shape, rstd, weight, output_mask, weight_offse
 
 
 @torch.library.register_fake("torch_ln::add_layer_norm_bwd")
-def _(grad_out, grad_residual_out, residual_out, normalized_shape, mean, rstd, weight, bias, output_mask, weight_offset=0.0):
+def _(
+    grad_out,
+    grad_residual_out,
+    residual_out,
+    normalized_shape,
+    mean,
+    rstd,
+    weight,
+    bias,
+    output_mask,
+    weight_offset=0.0,
+):
     return _fake_grads(residual_out, (weight, bias), output_mask)
 
 
@@ -376,7 +387,14 @@ def _add_norm_backward(ctx, grad_out, grad_residual_out, *_grad_statistics):
     elif layer:
         mask = [needs_dh, needs_dweight, needs_dbias]
         dh, dweight, dbias = _ops.add_layer_norm_bwd(
-            grad_out, grad_residual_out, residual_out, ctx.normalized_shape, *statistics, weight, bias, mask,
+            grad_out,
+            grad_residual_out,
+            residual_out,
+            ctx.normalized_shape,
+            *statistics,
+            weight,
+            bias,
+            mask,
             **ctx.rounding,
         )
     else:
