@@ -149,6 +149,52 @@ def test_inductor_fullgraph_dynamic():
     assert counts["decomposed_rms_norm"] == 5 * counts["graphs"] and counts["add_norm"] == 4 * counts["graphs"]
 
 
+# The transformers norm classes whose forms the pass matches, each with the form it reports.
+HF_NORMS = [
+    pytest.param("llama.modeling_llama.LlamaRMSNorm", "llama", id="llama"),
+    pytest.param("gemma.modeling_gemma.GemmaRMSNorm", "gemma", id="gemma"),
+    pytest.param("t5.modeling_t5.T5LayerNorm", "llama", id="t5"),  # T5's rounding is Llama's in one dtype
+    pytest.param("cohere.modeling_cohere.CohereLayerNorm", "float32 product", id="cohere"),
+    pytest.param("gemma3n.modeling_gemma3n.Gemma3nRMSNorm", "float32 product", id="gemma3n"),  # pow(-0.5)
+]
+
+
+@pytest.mark.parametrize("path, form", HF_NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_classes_match_their_swap(path, form, dtype):
+    """Each class the module swap knows, compiled with the pass: the swapped module's output and gradients, bit for
+    bit, with the form the swap uses for it."""
+    module_path, name = path.rsplit(".", 1)
+    cls = getattr(__import__(f"transformers.models.{module_path}", fromlist=[name]), name)
+    torch.manual_seed(0)
+    module = cls(48).to(dtype)
+    with torch.no_grad():
+        module.weight.add_(0.3 * torch.randn_like(module.weight))
+    swapped = torch_ln.replace_norms(copy.deepcopy(module))
+    rewrites = collections.Counter()
+
+    def backend(gm, example_inputs):
+        rewrites.update(torch_ln.compile.rewrite(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    x, grad_out = torch.randn(5, 48).to(dtype), torch.randn(5, 48).to(dtype)
+    runs = []
+    for fn, m in ((compiled, module), (swapped, swapped)):
+        xl = x.clone().requires_grad_()
+        m.weight.grad = None
+        y = fn(xl)
+        y.backward(grad_out)
+        runs.append((y.detach(), xl.grad, m.weight.grad))
+    for ours, theirs in zip(*runs):
+        assert torch.equal(ours, theirs)
+    pattern = "decomposed_layer_norm" if name == "CohereLayerNorm" else "decomposed_rms_norm"
+    if dtype == torch.float32 and form == "llama":  # in float32 the rounding to the input's dtype is no step
+        form = "float32 product"
+    assert rewrites == {f"{pattern} ({form})": 1}
+
+
 def test_backend_logs_and_excludes(caplog, capsys):
     model, inputs = _build("llama", torch.float32)
     torch._dynamo.reset()

@@ -22,6 +22,7 @@ timm = pytest.importorskip("timm", reason="the timm tests need timm (pip install
 
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
@@ -56,6 +57,7 @@ MODULE_CASES = [
     pytest.param(GemmaRMSNorm, lambda w: 0.3 * w, id="gemma"),
     pytest.param(T5LayerNorm, lambda w: 1 + 0.3 * w, id="t5"),
     pytest.param(CohereLayerNorm, lambda w: 1 + 0.3 * w, id="cohere"),
+    pytest.param(Gemma3nRMSNorm, lambda w: 1 + 0.3 * w, id="gemma3n"),
 ]
 
 # M=1: a single row; D=4099 (prime): the scalar tails of every kernel loop; D=64: the usual vector path.
@@ -68,12 +70,13 @@ def _swapped(module: nn.Module) -> nn.Module:
     return swapped
 
 
-def _rstd_of(x: torch.Tensor, eps: float, centered: bool) -> torch.Tensor:
-    """HF's own statistics, as the classes compute them (float32)."""
+def _rstd_of(x: torch.Tensor, eps: float, centered: bool, power: bool = False) -> torch.Tensor:
+    """HF's own statistics, as the classes compute them (float32); `power`: Gemma3n's pow(mean + eps, -0.5)."""
     h = x.float()
     if centered:
         h = h - h.mean(-1, keepdim=True)
-    return torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    mean = h.pow(2).mean(-1, keepdim=True) + eps
+    return torch.pow(mean, -0.5) if power else torch.rsqrt(mean)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -98,7 +101,7 @@ def test_module_output_bitwise_where_statistics_agree(cls, weight_scale, dtype, 
         _, _, rstd = torch.ops.torch_ln.layer_norm_fwd(x, [shape[-1]], None, None, eps)
     else:
         _, rstd = torch.ops.torch_ln.rms_norm_fwd(x, [shape[-1]], None, eps)
-    hf_rstd = _rstd_of(x, eps, centered).view(-1)
+    hf_rstd = _rstd_of(x, eps, centered, power=cls is Gemma3nRMSNorm).view(-1)
     assert _ulps(rstd.view(-1), hf_rstd).max() <= 2
     same_stats = (rstd.view(-1) == hf_rstd).view(-1, 1).expand(shape)
     if centered:
@@ -373,9 +376,9 @@ def _vit():
     return transformers.ViTForImageClassification(config), {"pixel_values": torch.randn(2, 3, 32, 32)}
 
 
-def _timm_vit():
+def _timm_vit(**extra):
     model = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=10
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=10, **extra
     )
     return model, {"x": torch.randn(2, 3, 32, 32)}
 
@@ -401,6 +404,8 @@ MODELS = {
     "bert": (_bert, {"LayerNorm"}),
     "vit": (_vit, {"LayerNorm"}),
     "timm_vit": (_timm_vit, {"LayerNorm"}),
+    "timm_vit_rms_norm": (lambda: _timm_vit(norm_layer=timm.layers.RmsNorm), {"RmsNorm"}),
+    "timm_vit_layer_norm_fp32": (lambda: _timm_vit(norm_layer=timm.layers.LayerNormFp32), {"LayerNormFp32"}),
     "timm_convnext": (_timm_convnext, {"LayerNorm2d"}),
     "timm_convnext_channels_last": (lambda: _timm_convnext(channels_last=True), {"LayerNorm2d"}),
 }
@@ -495,3 +500,62 @@ def test_model_compiles_fullgraph(name):
     norm_ops = sum(n for target, n in counts.items() if "torch_ln.rms_norm_fwd" in target)
     assert norm_ops == 2 * 2 + 1, counts
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# timm's norm classes beyond LayerNorm and LayerNorm2d (issue 38 item 3): (class, input shape). RmsNorm2d is given
+# an NCHW input, contiguous and channels-last.
+TIMM_CASES = [
+    pytest.param(lambda: timm.layers.RmsNorm(64), (37, 64), False, id="RmsNorm"),
+    pytest.param(lambda: timm.layers.RmsNorm2d(8), (2, 8, 5, 3), False, id="RmsNorm2d"),
+    pytest.param(lambda: timm.layers.RmsNorm2d(8), (2, 8, 5, 3), True, id="RmsNorm2d-channels_last"),
+    pytest.param(lambda: timm.layers.LayerNormFp32(64), (37, 64), False, id="LayerNormFp32"),
+]
+
+
+def _timm_reference64(module, x: torch.Tensor) -> torch.Tensor:
+    """The class's function in float64, no intermediate rounding."""
+    w = module.weight.detach().double()
+    if isinstance(module, timm.layers.LayerNormFp32):
+        return reference.layer_norm(x.double(), w.shape, w, module.bias.detach().double(), module.eps)
+    h = x.double().movedim(1, -1) if isinstance(module, timm.layers.RmsNorm2d) else x.double()
+    y = reference.rms_norm(h, w.shape, w, module.eps)
+    return y.movedim(-1, 1) if isinstance(module, timm.layers.RmsNorm2d) else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("make, shape, channels_last", TIMM_CASES)
+def test_timm_norm_classes(make, shape, channels_last, dtype):
+    """Swapped, each gives the class's output and gradients by the tolerance table and the accuracy rule (float32
+    statistics summed in another order are the only difference). RmsNorm and RmsNorm2d compute in the input's
+    dtype, statistics included: bfloat16 input takes the class's own forward, bit for bit; LayerNormFp32 rounds
+    float64 input to float32 and takes its forward there."""
+    torch.manual_seed(5)
+    module = make().to(dtype)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    swapped = _swapped(module)
+    base = (2 * torch.randn(shape) + 0.5).to(dtype)
+    if channels_last:
+        base = base.contiguous(memory_format=torch.channels_last)
+    grad_out = torch.randn(shape).to(dtype)
+    results = []
+    for m in (swapped, module):
+        x = base.clone().requires_grad_()
+        m.zero_grad()
+        y = m(x)
+        y.backward(grad_out)
+        results.append({"y": y.detach(), "dx": x.grad, "dweight": m.weight.grad.clone()})
+    ours, theirs = results
+    class_forward = dtype == torch.bfloat16 and not isinstance(module, timm.layers.LayerNormFp32)
+    if class_forward or (dtype == torch.float64 and isinstance(module, timm.layers.LayerNormFp32)):
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), name
+        return
+    rows = base.numel() // base.shape[1 if len(shape) == 4 else -1]
+    ref64 = _timm_reference64(module, base)
+    assert ours["y"].dtype == theirs["y"].dtype and ours["y"].shape == theirs["y"].shape
+    assert_close_to_torch("y", ours["y"], theirs["y"], dtype, rows=rows)
+    assert_accuracy("y", ours["y"], theirs["y"], ref64, dtype, rows=rows)
+    for name in ("dx", "dweight"):
+        assert_close_to_torch(name, ours[name], theirs[name], dtype, rows=rows)

@@ -180,6 +180,14 @@ def _squared(node):
     return None
 
 
+def _rsqrt_of(node):
+    """a for rsqrt(a) or a ** -0.5 (Gemma3n's form), else None."""
+    kind = _kind(node)
+    if kind == "rsqrt" or (kind == "pow" and _arg(node, 1, "exponent") == -0.5):
+        return node.args[0]
+    return None
+
+
 def _is_scalar(value) -> bool:
     """A Python number, or a graph value that is one: Dynamo lifts a module's float attribute (an eps) to an input
     under dynamic=True and reads it with .item(), a SymFloat. Not a tensor: an eps per row is not a norm's."""
@@ -221,9 +229,9 @@ def _match_normalized(mul: fx.Node) -> _Normalized | None:
     if _kind(mul) != "mul" or _binary(mul) is None:
         return None
     for rsqrt in mul.args[:2]:
-        if _kind(rsqrt) != "rsqrt":
+        if _rsqrt_of(rsqrt) is None:
             continue
-        found = _eps(rsqrt.args[0])
+        found = _eps(_rsqrt_of(rsqrt))
         if found is None:
             continue
         variance, eps = found

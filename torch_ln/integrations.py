@@ -13,6 +13,10 @@ Each family's forward runs torch_ln's kernels with the rounding options that rep
 - Gemma-style RMSNorm (``(normed * (1 + weight.float())).type_as(x)``): ``weight_offset=1``.
 - T5LayerNorm: Llama's rounding when weight and input share a half/bfloat16 (or float32) dtype.
 - Cohere-style LayerNorm (float32 statistics, no bias): torch_ln's layer_norm as it is.
+- Gemma3n-style RMSNorm (``pow(-0.5)``, the optional weight product in float32): torch_ln's rms_norm as it is.
+
+timm's LayerNorm, LayerNorm2d, LayerNormFp32, RmsNorm and RmsNorm2d are registered by class; RmsNorm and RmsNorm2d
+compute in the input's dtype, so their half-precision input takes the class's own forward.
 
 Where the output dtype is promoted (a float32 weight with half input gives float32 output in Llama and T5,
 as under autocast) the kernel normalizes and ``weight * normed`` runs in torch, which is exactly the
@@ -96,6 +100,18 @@ def cohere_layer_norm_forward(self, hidden_states: Tensor) -> Tensor:
     return (weight.float() * normed).to(hidden_states.dtype)
 
 
+def gemma3n_rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    """Gemma3nRMSNorm: float32 normalization (rstd as pow(mean + eps, -0.5)), the optional weight product
+    (``with_scale``) in float32, one rounding to the input dtype: torch_ln's rms_norm with a float32 weight."""
+    weight = self.weight if self.with_scale else None
+    if hidden_states.dtype not in (torch.float32, *_REDUCED) or (
+        weight is not None and (weight.dim() != 1 or weight.shape[0] != hidden_states.shape[-1])
+    ):
+        return _original_forward(self, hidden_states)
+    kernel_weight = weight if weight is None or weight.dtype == hidden_states.dtype else weight.float()
+    return ops.rms_norm(hidden_states, hidden_states.shape[-1:], kernel_weight, self.eps)
+
+
 def timm_layer_norm_forward(self, x: Tensor) -> Tensor:
     """timm.layers.LayerNorm: F.layer_norm (timm's optional fast-norm path is superseded)."""
     return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -108,6 +124,41 @@ def timm_layer_norm_2d_forward(self, x: Tensor) -> Tensor:
     return normed.permute(0, 3, 1, 2)
 
 
+def timm_layer_norm_fp32_forward(self, x: Tensor) -> Tensor:
+    """timm.layers.LayerNormFp32: F.layer_norm of the input and parameters in float32, rounded once to the input's
+    dtype, which the kernels compute from half or bfloat16 input directly (parameters of another dtype than the
+    input's converted exactly to float32); float64 input, which the class rounds to float32, takes its forward."""
+    if x.dtype not in (torch.float32, *_REDUCED):
+        return _original_forward(self, x)
+    params = (self.weight, self.bias)
+    if any(p is not None and p.dtype != x.dtype for p in params):
+        params = tuple(p.float() if p is not None else None for p in params)
+    return ops.layer_norm(x, self.normalized_shape, *params, self.eps)
+
+
+def _timm_rms_norm_computes(module, x: Tensor) -> bool:
+    """timm's RmsNorm and RmsNorm2d compute in the input's dtype. The kernels do the same in float32 and float64
+    (statistics accumulated in that dtype); half input the class rounds x^2, their mean and rstd to half precision,
+    which the kernels' float32 statistics do not reproduce: it takes the class's forward, as does a weight of
+    another dtype (the class's product promotes)."""
+    weight = module.weight
+    return x.dtype in (torch.float32, torch.float64) and (weight is None or weight.dtype == x.dtype)
+
+
+def timm_rms_norm_forward(self, x: Tensor) -> Tensor:
+    """timm.layers.RmsNorm: x * rsqrt(mean(x^2) + eps) * weight, in the input's dtype."""
+    if not _timm_rms_norm_computes(self, x):
+        return _original_forward(self, x)
+    return ops.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+def timm_rms_norm_2d_forward(self, x: Tensor) -> Tensor:
+    """timm.layers.RmsNorm2d: RmsNorm over the channels of NCHW, through a permuted view as LayerNorm2d."""
+    if not _timm_rms_norm_computes(self, x):
+        return _original_forward(self, x)
+    return ops.rms_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.eps).permute(0, 3, 1, 2)
+
+
 # transformers families: the reference class whose arithmetic defines the family, and the converter.
 FAMILIES: dict[str, tuple[str, str, forward_converter]] = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", forward_converter(llama_rms_norm_forward)),
@@ -118,11 +169,19 @@ FAMILIES: dict[str, tuple[str, str, forward_converter]] = {
         "CohereLayerNorm",
         forward_converter(cohere_layer_norm_forward),
     ),
+    "gemma3n": (
+        "transformers.models.gemma3n.modeling_gemma3n",
+        "Gemma3nRMSNorm",
+        forward_converter(gemma3n_rms_norm_forward),
+    ),
 }
 
 _TIMM_CLASSES = {
     "LayerNorm": forward_converter(timm_layer_norm_forward),
     "LayerNorm2d": forward_converter(timm_layer_norm_2d_forward),
+    "LayerNormFp32": forward_converter(timm_layer_norm_fp32_forward),
+    "RmsNorm": forward_converter(timm_rms_norm_forward),
+    "RmsNorm2d": forward_converter(timm_rms_norm_2d_forward),
 }
 
 # What decides a class's arithmetic: these methods, if it defines them.
