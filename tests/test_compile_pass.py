@@ -261,6 +261,27 @@ def test_functional_norms_and_their_adds():
     assert torch.equal(y, swapped_rms(h2) * 2 + h2)
 
 
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_float32_residual_stream(norm):
+    """bfloat16 activations added to a float32 residual stream, the float32 norm's output rounded back to bfloat16:
+    the fused op with residual_dtype=float32. residual_out is the float32 sum bit for bit; y rounds once where the
+    graph rounded twice (float32, then bfloat16), so it may differ by one bfloat16 ulp where the float32 value fell
+    on a tie."""
+    weight = torch.randn(32)
+
+    def block(x, residual):
+        h = x + residual
+        y = F.layer_norm(h, (32,), weight) if norm == "layer_norm" else F.rms_norm(h, (32,), weight, 1e-6)
+        return y.to(x.dtype), h
+
+    x, residual = torch.randn(6, 32).bfloat16(), torch.randn(6, 32)
+    (y, h), counts = _rewritten(block, x, residual)
+    assert counts == {"graphs": 1, norm: 1, "add_norm": 1}
+    want_y, want_h = block(x, residual)
+    assert y.dtype == torch.bfloat16 and torch.equal(h, want_h)
+    torch.testing.assert_close(y, want_y, rtol=2**-7, atol=0)
+
+
 def test_a_swapped_model_gets_the_fused_add():
     """torch_ln's own norms already in the graph (replace_norms) take the fused add as well."""
     model, inputs = _build("llama", torch.float32)
@@ -339,3 +360,16 @@ def test_rewrite_of_an_exported_graph():
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert "torch_ln.rms_norm_fwd.default" in targets
     assert torch.equal(program.module()(x), torch_ln.rms_norm(x, (8,), weight, 1e-6))
+
+
+def test_rewrite_of_a_decomposed_exported_layer_norm():
+    """After export's decompositions LayerNorm is aten.native_layer_norm (y, mean, rstd); with only y used it becomes
+    torch_ln's layer_norm."""
+    norm = nn.LayerNorm(8)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = torch.randn(4, 8)
+    gm = torch.export.export(norm, (x,)).run_decompositions().module()
+    assert any(n.target is torch.ops.aten.native_layer_norm.default for n in gm.graph.nodes)
+    assert torch_ln.compile.rewrite(gm) == {"layer_norm": 1}
+    assert torch.equal(gm(x), torch_ln.layer_norm(x, (8,), norm.weight, norm.bias))

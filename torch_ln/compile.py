@@ -73,6 +73,7 @@ _FUNCTIONS: dict[object, str] = {
     F.layer_norm: "layer_norm",
     torch.layer_norm: "layer_norm",
     _aten.layer_norm.default: "layer_norm",
+    _aten.native_layer_norm.default: "native_layer_norm",  # (y, mean, rstd): ATen graphs after decomposition
     F.rms_norm: "rms_norm",
     torch.rms_norm: "rms_norm",
     _aten.rms_norm.default: "rms_norm",
@@ -430,6 +431,8 @@ class _Rewriter:
             kind = _kind(node)
             if kind in ("layer_norm", "rms_norm") and kind in self.enabled:
                 self._functional(node, kind)
+            elif kind == "native_layer_norm" and "layer_norm" in self.enabled:
+                self._functional(node, "layer_norm", native=True)
             elif kind == "mul":
                 normalized = _match_normalized(node)
                 pattern = "decomposed_layer_norm" if normalized and normalized.centred else "decomposed_rms_norm"
@@ -459,14 +462,20 @@ class _Rewriter:
             self.graph.erase_node(node)
         return bool(orphaned)
 
-    def _replace(self, old: fx.Node, new: fx.Node, label: str) -> None:
+    def _replace(self, olds: list[fx.Node], new: fx.Node, label: str) -> None:
+        """Makes the uses of each of `olds` (one pattern's outputs) uses of `new`."""
         _set_values(new)
-        old.replace_all_uses_with(new)
+        for old in olds:
+            old.replace_all_uses_with(new)
         self.counts[label] += 1
 
-    def _functional(self, node: fx.Node, kind: str) -> None:
+    def _functional(self, node: fx.Node, kind: str, native: bool = False) -> None:
+        """F.layer_norm / F.rms_norm; `native`: aten.native_layer_norm, whose statistics (in torch's dtypes, which
+        may not be torch_ln's) must be unused."""
         r = _functional(node, kind)
         if r is None:
+            return
+        if native and any(user.target is not operator.getitem or user.args[1] != 0 for user in node.users):
             return
         shape = _arg(node, 1, "normalized_shape")
         if kind == "layer_norm":
@@ -476,8 +485,9 @@ class _Rewriter:
         if not (eps is None and kind == "rms_norm") and not _is_scalar(eps):
             return
         y = _call_norm(self.graph, r, bias, shape, float(eps) if isinstance(eps, (int, float)) else eps)
-        if y is not None:
-            self._replace(node, y, kind)
+        if y is None:
+            return
+        self._replace(list(node.users) if native else [node], y, kind)
 
     def _decomposed(self, normalized: _Normalized, pattern: str) -> None:
         r = _decomposed(normalized)
@@ -485,21 +495,19 @@ class _Rewriter:
             return
         y = _call_norm(self.graph, r)
         if y is not None:
-            self._replace(r.replaced, y, f"{pattern} ({r.form})")
+            self._replace([r.replaced], y, f"{pattern} ({r.form})")
 
     def _fuse_add(self, norm: fx.Node) -> None:
         """norm(a + b) -> add_*_norm(a, b): its residual_out replaces the sum's other uses."""
         total = norm.args[0]
         if _kind(total) != "add" or _binary(total) is None or norm.kwargs:
             return
-        a, b = total.args[:2]
-        values = [_tensor(t) for t in (a, b, total)]
-        if any(v is None for v in values) or not all(
-            v.shape == values[2].shape and v.dtype == values[2].dtype for v in values[:2]
-        ):
-            return
         if any(user.target is not operator.getitem for user in norm.users):
             return
+        operands = _fused_operands(total, norm)
+        if operands is None:
+            return
+        x, residual, rounded_y = operands
         others = [u for u in total.users if u is not norm]
         position = {n: i for i, n in enumerate(self.graph.nodes)}
         anchor = max(norm.all_input_nodes, key=position.__getitem__)  # the sum, or a parameter defined after it
@@ -507,13 +515,15 @@ class _Rewriter:
             return  # a parameter defined after the sum's first other use: leave it
         layer = norm.target == _ln.layer_norm_fwd.default
         rest = list(norm.args[1:]) + [None] * (6 - len(norm.args))  # the schema's trailing defaults
+        # A float32 stream: residual_dtype, and no rounding to the input's dtype (a no-op on the float32 norm).
+        stream = torch.float32 if rounded_y is not None else None
         if layer:
             shape, weight, bias, eps, offset = rest[0], rest[1], rest[2], rest[3], rest[4] or 0.0
-            args = (a, b, shape, weight, bias, eps, None, offset)
+            args = (x, residual, shape, weight, bias, eps, stream, offset)
             target, index = _ln.add_layer_norm_fwd.default, {0: 0, 1: 2, 2: 3}
         else:
-            shape, weight, eps, offset, rounded = rest[0], rest[1], rest[2], rest[3] or 0.0, bool(rest[4])
-            args = (a, b, shape, weight, eps, None, offset, rounded)
+            shape, weight, eps, offset = rest[0], rest[1], rest[2], rest[3] or 0.0
+            args = (x, residual, shape, weight, eps, stream, offset, bool(rest[4]) and stream is None)
             target, index = _ln.add_rms_norm_fwd.default, {0: 0, 1: 2}
         with self.graph.inserting_after(anchor):
             fused = self.graph.call_function(target, args)
@@ -522,9 +532,37 @@ class _Rewriter:
         _set_values(residual_out)
         for user in list(norm.users):  # (y, statistics) -> (y, residual_out, statistics)
             user.args = (fused, index[user.args[1]])
+            _set_values(user)
+            if rounded_y is not None and user.args[1] == 0:  # y comes in the activations' dtype already
+                rounded_y.replace_all_uses_with(user)
         for user in others:
             user.replace_input_with(total, residual_out)
         self.counts[f"add_norm ({'add_layer_norm' if layer else 'add_rms_norm'})"] += 1
+
+
+def _fused_operands(total: fx.Node, norm: fx.Node) -> tuple | None:
+    """(x, residual, rounded_y) for fusing norm(total = a + b): the operands in the fused op's order, and the node
+    that rounds the norm's float32 output to x's dtype where the sum is a float32 residual stream beside half or
+    bfloat16 activations (the fused op writes y in x's dtype: one rounding where the graph had two, float32 then
+    x's dtype); None where the add is not the fused op's (broadcasting, other dtypes)."""
+    a, b = total.args[:2]
+    values = [_tensor(t) for t in (a, b, total)]
+    if any(v is None for v in values) or any(v.shape != values[2].shape for v in values[:2]):
+        return None
+    dtypes = (values[0].dtype, values[1].dtype)
+    if dtypes[0] == dtypes[1] == values[2].dtype:
+        return a, b, None
+    if values[2].dtype != torch.float32 or set(dtypes) not in (
+        {torch.bfloat16, torch.float32},
+        {torch.float16, torch.float32},
+    ):
+        return None
+    x, residual = (a, b) if dtypes[0] != torch.float32 else (b, a)
+    ys = [user for user in norm.users if user.args[1] == 0]
+    conversions = [c for y in ys for c in y.users]
+    if len(ys) != 1 or len(conversions) != 1 or not _is_conversion(conversions[0]):
+        return None
+    return (x, residual, conversions[0]) if _tensor(conversions[0]).dtype == _tensor(x).dtype else None
 
 
 def _set_values(node: fx.Node) -> None:
