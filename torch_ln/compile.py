@@ -10,11 +10,13 @@ autograd), where torch_ln's autograd applies to what it puts in, so the same pas
 - ``decomposed_rms_norm``: ``x32 * rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)`` with x32 the input in float32,
   followed by the rounding of one of the forms ``replace_norms`` recognizes (torch_ln.integrations): Llama's
   ``weight * normed.to(dtype)`` (``round_normalized``), Gemma's ``normed * (1 + weight.float())`` rounded once
-  (``weight_offset=1``), T5's, torch's float32 product rounded once, or the normalized value alone;
+  (``weight_offset=1``), T5's, torch's float32 product rounded once (Gemma3n's, whose rstd is ``pow(..., -0.5)``),
+  or the normalized value alone;
 - ``decomposed_layer_norm``: the same with ``(x32 - mean) * rsqrt(((x32 - mean) ** 2).mean(...) + eps)``
   (Cohere's form), the weight product in float32 rounded once;
 - ``add_norm``: a norm (one put in above, or a torch_ln norm already in the graph) of ``a + b`` becomes the fused
-  ``add_rms_norm`` / ``add_layer_norm``, whose ``residual_out`` takes the sum's other uses (the residual stream).
+  ``add_rms_norm`` / ``add_layer_norm``, whose ``residual_out`` takes the sum's other uses (the residual stream);
+  a float32 stream beside half activations where the norm's output is rounded back to their dtype.
 
 Each rewrite computes exactly what torch_ln's module swap computes for the same form (the same kernels with the
 same rounding options): a compiled model equals the swapped model bit for bit, except that the fused add rounds
