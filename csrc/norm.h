@@ -20,30 +20,32 @@ struct RoundingOptions {
   bool round_normalized = false;  // xhat rounded to the input dtype before the weight multiply (Llama)
 };
 
-// Arguments of one forward call, already validated. x and y are [M, D] and
-// contiguous; weight and bias are [D] contiguous or undefined; mean and rstd
-// are [M] contiguous in the accumulation dtype (mean is undefined for RMSNorm).
-// With a residual ([M, D] contiguous, of residual_out's dtype), the norm is of
-// residual_out = x + residual, which the kernels write; otherwise both are undefined.
+// Arguments of one forward call, already validated. x holds M rows of D contiguous elements, x_row_stride elements
+// apart (D: contiguous; larger: a slice or a view of packed heads; 0: one row broadcast); y is [M, D] contiguous;
+// weight and bias are [D] contiguous or undefined; mean and rstd are [M] contiguous in the accumulation dtype (mean
+// is undefined for RMSNorm). With a residual ([M, D] contiguous, of residual_out's dtype; x then contiguous too),
+// the norm is of residual_out = x + residual, which the kernels write; otherwise both are undefined.
 struct ForwardArgs {
   at::Tensor x, weight, bias;
   double eps;
   at::Tensor y, mean, rstd;
   int64_t rows, cols;
   at::Tensor residual, residual_out;
-  RoundingOptions rounding = {};
+  RoundingOptions rounding;
+  int64_t x_row_stride;
 };
 
-// Arguments of one backward call. dy and x are [M, D] contiguous; mean/rstd as
-// in ForwardArgs. dx, dweight, dbias are undefined when not requested. After a
-// residual add, x is residual_out, whose dtype may differ from dy's (then dx has
-// x's); grad_residual_out, if defined ([M, D] contiguous, x's dtype), is added to dx.
+// Arguments of one backward call. dy is [M, D] contiguous; x is read as in ForwardArgs (x_row_stride); mean/rstd
+// as in ForwardArgs. dx ([M, D] contiguous), dweight, dbias are undefined when not requested. After a residual add,
+// x is residual_out (contiguous), whose dtype may differ from dy's (then dx has x's); grad_residual_out, if defined
+// ([M, D] contiguous, x's dtype), is added to dx.
 struct BackwardArgs {
   at::Tensor dy, x, mean, rstd, weight;
   at::Tensor dx, dweight, dbias;
   int64_t rows, cols;
   at::Tensor grad_residual_out;
-  RoundingOptions rounding = {};
+  RoundingOptions rounding;
+  int64_t x_row_stride;
 };
 
 // A contiguous tensor of `sizes` (at::empty).

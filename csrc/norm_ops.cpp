@@ -131,6 +131,28 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t) {
 
 at::Tensor unrequested_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
 
+std::pair<at::Tensor, int64_t> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols) {
+  // Each row's elements contiguous: the normalized dimensions, size-1 ones aside, strided as a contiguous block.
+  int64_t expected = 1;
+  for (int64_t d = input.dim() - 1; d >= axis; --d) {
+    if (input.size(d) == 1) continue;
+    if (input.stride(d) != expected) return {input.contiguous(), cols};
+    expected *= input.size(d);
+  }
+  // The rows evenly strided: the leading dimensions, size-1 ones aside, collapse into one.
+  int64_t row_stride = cols, inner_size = 0;
+  for (int64_t d = axis - 1; d >= 0; --d) {
+    if (input.size(d) == 1) continue;
+    if (inner_size == 0) {
+      row_stride = input.stride(d);
+    } else if (input.stride(d) != row_stride * inner_size) {
+      return {input.contiguous(), cols};
+    }
+    inner_size = inner_size == 0 ? input.size(d) : inner_size * input.size(d);
+  }
+  return {input, row_stride};
+}
+
 at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::empty(sizes, options.memory_format(at::MemoryFormat::Contiguous));
 }

@@ -55,6 +55,12 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t);
 // cannot return None); the Python layer maps them to None.
 at::Tensor unrequested_grad(const at::Tensor& like);
 
+// The rows of `input` (normalized from dimension `axis` on, `cols` elements a row) as the kernels read them: the
+// input itself where each row's elements are contiguous and the rows, its leading dimensions flattened, are evenly
+// strided (a column slice, a head of a packed QKV projection, transposed leading dimensions), with the elements
+// from one row to the next; any other layout as a contiguous copy (stride cols).
+std::pair<at::Tensor, int64_t> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols);
+
 // The forward's optional residual add: the residual and the dtype of residual_out.
 struct ResidualAdd {
   const at::Tensor& residual;
@@ -79,8 +85,11 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
     residual = add->residual.to(stream).contiguous();
     residual_out = Backend::kernels.empty_rows(input.sizes(), input.options().dtype(stream));
   }
+  // The fused add reads x beside the contiguous residual: contiguous too.
+  const auto [x, x_row_stride] =
+      add.has_value() ? std::pair{input.contiguous(), s.cols} : strided_rows(input, s.axis, s.cols);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
-  ForwardArgs a{input.contiguous(),
+  ForwardArgs a{x,
                 contiguous_or_undefined(weight),
                 contiguous_or_undefined(bias),
                 eps,
@@ -91,7 +100,8 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
                 s.cols,
                 residual,
                 residual_out,
-                rounding};
+                rounding,
+                x_row_stride};
   if (s.rows > 0) Backend::kernels.forward(kind, a);
   const auto stat_shape = statistics_shape(input, s.axis);
   return {a.y, residual_out, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
@@ -121,8 +131,9 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
   } else {
     check_backward_inputs(op, grad_out, input, s, rstd, mean);
   }
+  const auto [x, x_row_stride] = fused ? std::pair{input.contiguous(), s.cols} : strided_rows(input, s.axis, s.cols);
   BackwardArgs a{grad_out.contiguous(),
-                 input.contiguous(),
+                 x,
                  mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
                  rstd.contiguous().view({s.rows}),
                  contiguous_or_undefined(weight),
@@ -132,7 +143,8 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                  s.rows,
                  s.cols,
                  output_mask[0] ? contiguous_or_undefined(grad_residual_out) : at::Tensor(),
-                 rounding};
+                 rounding,
+                 x_row_stride};
   if (output_mask[0]) a.dx = Backend::kernels.empty_rows(input.sizes(), input.options());
   const bool want_dweight = output_mask[1] && weight.has_value();
   const bool want_dbias = output_mask[2] && bias.has_value();

@@ -282,6 +282,7 @@ struct NormCpu {
   static void forward_rows(const ForwardArgs& a) {
     const int64_t D = a.cols;
     const T* x = a.x.const_data_ptr<T>();
+    const int64_t x_stride = a.x_row_stride;  // D, but for a strided view (never with a residual)
     const R* residual = HasRes ? a.residual.const_data_ptr<R>() : nullptr;
     R* h = HasRes ? a.residual_out.mutable_data_ptr<R>() : nullptr;
     T* y = a.y.mutable_data_ptr<T>();
@@ -310,8 +311,8 @@ struct NormCpu {
       const auto normalize_rows = [&](const auto* w, const auto* b) {
         for (const auto r : c10::irange(begin, end)) {
           const InputRow<HasRes> in{
-              x + r * D, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr, kept(r),
-              streaming, r + 1 < end && prefetch ? D : 0};
+              x + r * x_stride, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr, kept(r),
+              streaming, r + 1 < end && prefetch ? x_stride : 0};
           forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming,
                                   round);
         }
@@ -526,6 +527,7 @@ struct NormCpu {
         : D(a.cols),
           dy(a.dy.const_data_ptr<T>()),
           x(a.x.const_data_ptr<R>()),
+          x_stride(a.x_row_stride),
           dx(a.dx.defined() ? a.dx.mutable_data_ptr<R>() : nullptr),
           grad_residual_out(a.grad_residual_out.defined() ? a.grad_residual_out.const_data_ptr<R>() : nullptr),
           weight(std::move(weight_acc)),
@@ -539,6 +541,7 @@ struct NormCpu {
     int64_t D;
     const T* dy;
     const R* x;
+    int64_t x_stride;  // elements from one row of x to the next (D, but for a strided view)
     R* dx;
     const R* grad_residual_out;  // added to dx; null when there is none
     at::Tensor weight;           // acc_t
@@ -698,7 +701,7 @@ struct NormCpu {
     } else {
       const int64_t D = rows.D;
       const T* dy = rows.dy + r * D;
-      const R* x = rows.x + r * D;
+      const R* x = rows.x + r * rows.x_stride;
       const A mean = rows.mean_of(r);
       const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
         Sums<A, 2> t{rows.template weighted<HasW>(load_group<A>(dy + j, c), j, c), load_group<A>(x + j, c)};
@@ -718,7 +721,7 @@ struct NormCpu {
                                                 A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
     const int64_t D = rows.D;
     const T* dy = rows.dy + r * D + j0;
-    const R* x = rows.x + r * D + j0;
+    const R* x = rows.x + r * rows.x_stride + j0;
     R* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
     const R* extra = WantDx && rows.grad_residual_out != nullptr ? rows.grad_residual_out + r * D + j0 : nullptr;
     const A mean = rows.mean_of(r), rstd = rows.rstd[r];
@@ -727,7 +730,7 @@ struct NormCpu {
         [&](int64_t j, int64_t c) {
           if (prefetch_next) {
             prefetch_step<A>(dy + D + j);
-            prefetch_step<A>(x + D + j);
+            prefetch_step<A>(x + rows.x_stride + j);
           }
           const Group<A> dyv = load_group<A>(dy + j, c);
           const Group<A> xhat = normalize(load_group<A>(x + j, c), mean, rstd);

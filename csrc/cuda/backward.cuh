@@ -9,6 +9,8 @@
 //   dweight = sum over rows of dy * xhat, dbias = sum over rows of dy.
 #pragma once
 
+#include <type_traits>
+
 #include "../norm_kind.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
@@ -18,6 +20,17 @@
 namespace torch_ln {
 
 // R: the element type of x and dx, T's or, after a residual add, residual_out's.
+// A row stride that only some kernels take (BackwardParams::x_rows): with Strided false it holds nothing.
+template <bool Strided>
+struct XRowStride {
+  int64_t value = 0;
+  TLN_DEVICE int64_t stride(int64_t) const { return value; }
+};
+template <>
+struct XRowStride<false> {
+  TLN_DEVICE int64_t stride(int64_t cols) const { return cols; }
+};
+
 template <typename T, typename W, typename acc_t, typename R = T>
 struct BackwardParams {
   const T* dy;
@@ -41,6 +54,12 @@ struct BackwardParams {
   // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
   // kernels', and the shared-memory kernel's where a block holds whole rows.
   int partial_cluster = 1;
+  // Elements from one row of x to the next: cols, but for a strided view (BackwardArgs). Only where x has the
+  // input's dtype: any other x is the fused add's float32 residual stream, contiguous, whose kernels sit at their
+  // register cap (an argument more made ptxas spill two of them).
+  [[no_unique_address]] XRowStride<std::is_same_v<T, R>> x_rows;
+
+  TLN_DEVICE int64_t x_row_stride() const { return x_rows.stride(cols); }
 };
 
 // g = dy * weight (dy without weight), rounded to the input dtype under Llama-style rounding.
@@ -190,7 +209,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
       const bool in_row = active && layout.vector(k) < nvec;
       // float64 rows are bound by their arithmetic, and all their loads at once would spill: one branch each.
       if (sizeof(acc_t) == 8 && !in_row) continue;
-      to_acc(load_vec_if<VEC>(in_row, p.x, row * p.cols + layout.vector(k) * VEC), xhat[k]);
+      to_acc(load_vec_if<VEC>(in_row, p.x, row * p.x_row_stride() + layout.vector(k) * VEC), xhat[k]);
       to_acc(load_vec_if<VEC>(in_row, p.dy, row * p.cols + layout.vector(k) * VEC), dy[k]);
     }
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
@@ -254,7 +273,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
     acc_t xhat[VEC], dy[VEC], w[VEC];
     // One pass of the row: xhat, dy and the weight at element offset i, with the row sums' terms.
     auto load_row = [&](int64_t i, acc_t& sum_g, acc_t& sum_g_xhat) {
-      load_vec<VEC>(p.x + row * p.cols, i, xhat);
+      load_vec<VEC>(p.x + row * p.x_row_stride(), i, xhat);
       load_vec<VEC>(p.dy + row * p.cols, i, dy);
       load_weight(p, i, w);
       add_row_terms<T>(p, mean, rstd, xhat, dy, w, sum_g, sum_g_xhat);
@@ -363,7 +382,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     const int64_t row_count = active ? count : 0;  // vectors of the slice this row loads
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
-    const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice
+    const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice in dy
+    // and in x: the same offset but for a strided x of the input's dtype (the only kind, see x_row_stride)
+    const int64_t x_start = std::is_same_v<T, R> ? row * p.x_row_stride() + first * VEC : row_start;
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
     for (int64_t base = dev::thread_x(); base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
       Vec<R, VEC> x_raw[kBackwardSharedUnroll];
@@ -371,7 +392,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
 #pragma unroll
       for (int k = 0; k < kBackwardSharedUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
-        x_raw[k] = load_vec_if<VEC>(c < row_count, p.x, row_start + c * VEC);
+        x_raw[k] = load_vec_if<VEC>(c < row_count, p.x, x_start + c * VEC);
         dy_raw[k] = load_vec_if<VEC>(c < row_count, p.dy, row_start + c * VEC);
       }
 #pragma unroll
@@ -403,7 +424,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         x_slice.load(c, xhat);
         dy_slice.load(c, dy);
       } else {
-        row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + row_start) + c),
+        row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + x_start) + c),
                    dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
       }
 #pragma unroll

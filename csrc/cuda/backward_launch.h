@@ -56,8 +56,10 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                    0,
                                    data_or_null<R>(a.grad_residual_out),
                                    {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
+  if constexpr (std::is_same_v<T, R>) p.x_rows.value = a.x_row_stride;
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight}) &&
-                      vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out});
+                      vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out}) &&
+                      a.x_row_stride % (kVectorBytes / static_cast<int64_t>(sizeof(R))) == 0;
   const SharedRowSpace space = backward_shared_row_space<acc_t, T, R, W>(
       p.weight != nullptr, int{a.dweight.defined()} + int{a.dbias.defined()}, limits);
   RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t, R>::budget, space);

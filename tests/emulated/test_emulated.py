@@ -988,3 +988,35 @@ def test_layer_norm_weight_offset(affine, dtype, param_dtype, rows, cols):
     (weight + 1) + bias in the accumulation dtype), by the accuracy rule."""
     x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, affine)
     _check_against_torch("layer", x, weight, bias, dy, weight_offset=1.0)
+
+
+# Strided rows (issue 39 item 1): x read through a row stride. The register kernels (a warp a row: 1024; several
+# rows a warp: 64), the forward's shared-memory kernel (40000) and the backward's multi-pass one (9000 float32).
+STRIDED_CASES = [(9, 64), (6, 1024), (2, 9000), (2, 40000)]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("rows,cols", STRIDED_CASES)
+def test_strided_rows(kind, dtype, aligned, rows, cols):
+    """A column slice of a wider tensor: forward and backward bitwise those of a contiguous copy read the same way.
+    A row stride of whole 16-byte vectors (the slice starting at 0) takes the contiguous input's kernel, vectors and
+    all; an odd one the scalar path, as a contiguous input starting one element into its allocation does (whose
+    summation order may differ from the vector path's: the reference is such an input)."""
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    pad, start = (64, 0) if aligned else (13, 5)
+    wide = torch.randn(rows, cols + pad, dtype=torch.float64).to(dtype)
+    wide[:, start : start + cols] = x
+    strided = wide[:, start : start + cols]
+    assert not strided.is_contiguous()
+    if not aligned:  # the same values, contiguous, one element into their allocation: the scalar path
+        x = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(rows, cols)
+    (y, *_), launch = _forward_kernel(kind, strided, weight, bias)
+    (y_contiguous, *_), contiguous_launch = _forward_kernel(kind, x, weight, bias)
+    assert torch.equal(y, y_contiguous)
+    assert launch["kernel"] == contiguous_launch["kernel"]
+    ours, _ = _emulated(kind, strided, weight, bias, dy, 1e-5)
+    theirs, _ = _emulated(kind, x, weight, bias, dy, 1e-5)
+    for a, b in zip(ours, theirs):
+        assert (a is None and b is None) or torch.equal(a, b)
