@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
+from harness import add_model_step_arguments, write_rows
 
 import torch_ln
 import torch_ln.compile
@@ -144,28 +144,18 @@ def run(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    add_model_step_arguments(parser, hidden=1024)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--inner", default="inductor", help="the backend after the pass (and for the others)")
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="folder for compile_pass.csv")
     args = parser.parse_args(argv)
     print(f"# {device_name(args.device)}, torch {torch.__version__}, inner backend {args.inner}", flush=True)
     rows = run(args)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with (args.out / "compile_pass.csv").open("w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(rows, args.out / "compile_pass.csv")
     return 1 if any(r["check"] == "DIFFERS" for r in rows) else 0
 
 

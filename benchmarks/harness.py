@@ -213,6 +213,26 @@ def keep_freed_memory() -> str:
     return "malloc: glibc keeps freed memory (trim threshold 1 GiB, no mmap: every size from the heap)"
 
 
+def add_model_step_arguments(parser: argparse.ArgumentParser, hidden: int) -> None:
+    """The arguments of the benchmarks that time a model's step (bench_compile_pass.py, bench_memory_efficient.py)."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--quick", action="store_true")
+
+
+def write_rows(rows: Sequence[dict], path: Path) -> None:
+    """Rows of one benchmark (dicts with the same keys) as a CSV at `path`, its folder made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def peak_memory_mib(fn: Callable[[], object], device: str) -> float | None:
     """MiB allocated by one call at its peak, above what was allocated before; None where unmeasurable (CPU)."""
     if device != "cuda":

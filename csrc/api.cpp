@@ -21,40 +21,41 @@ c10::TypedOperatorHandle<Signature> find_operator(const char* name) {
 }  // namespace
 
 Tensor3 layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                       const OptTensor& bias, double eps, double weight_offset) {
+                       const OptTensor& bias, double eps, double weight_offset, bool memory_efficient) {
   static const auto op =
-      find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double, double)>(
+      find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double, double, bool)>(
           "torch_ln::layer_norm_fwd");
-  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, weight_offset);
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, weight_offset, memory_efficient);
 }
 
 Tensor3 layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
                        const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
-                       std::array<bool, 3> output_mask, double weight_offset) {
+                       std::array<bool, 3> output_mask, double weight_offset, bool from_output) {
   static const auto op =
       find_operator<Tensor3(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&, const at::Tensor&,
-                            const OptTensor&, const OptTensor&, std::array<bool, 3>, double)>(
+                            const OptTensor&, const OptTensor&, std::array<bool, 3>, double, bool)>(
           "torch_ln::layer_norm_bwd");
   return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), mean, rstd, weight, bias, output_mask,
-                 weight_offset);
+                 weight_offset, from_output);
 }
 
 Tensor2 rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,
-                     std::optional<double> eps, double weight_offset, bool round_normalized) {
+                     std::optional<double> eps, double weight_offset, bool round_normalized, bool memory_efficient) {
   static const auto op =
-      find_operator<Tensor2(const at::Tensor&, Shape, const OptTensor&, std::optional<double>, double, bool)>(
+      find_operator<Tensor2(const at::Tensor&, Shape, const OptTensor&, std::optional<double>, double, bool, bool)>(
           "torch_ln::rms_norm_fwd");
-  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, weight_offset, round_normalized);
+  return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, weight_offset, round_normalized,
+                 memory_efficient);
 }
 
 Tensor2 rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
                      const at::Tensor& rstd, const OptTensor& weight, std::array<bool, 2> output_mask,
-                     double weight_offset, bool round_normalized) {
+                     double weight_offset, bool round_normalized, bool from_output) {
   static const auto op =
       find_operator<Tensor2(const at::Tensor&, const at::Tensor&, Shape, const at::Tensor&, const OptTensor&,
-                            std::array<bool, 2>, double, bool)>("torch_ln::rms_norm_bwd");
+                            std::array<bool, 2>, double, bool, bool)>("torch_ln::rms_norm_bwd");
   return op.call(grad_out, input, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight, output_mask, weight_offset,
-                 round_normalized);
+                 round_normalized, from_output);
 }
 
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "norm_kind.h"
+#include "row_strides.h"
 
 namespace torch_ln {
 
@@ -20,8 +21,9 @@ struct RoundingOptions {
   bool round_normalized = false;  // xhat rounded to the input dtype before the weight multiply (Llama)
 };
 
-// Arguments of one forward call, already validated. x holds M rows of D contiguous elements, x_row_stride elements
-// apart (D: contiguous; larger: a slice or a view of packed heads; 0: one row broadcast); y is [M, D] contiguous;
+// Arguments of one forward call, already validated. x holds M rows of D contiguous elements, each where x_rows says
+// (D apart: contiguous; else a slice, a chunk, the heads of a packed projection, transposed leading dimensions, a
+// broadcast row); y is [M, D] contiguous;
 // weight and bias are [D] contiguous or undefined; mean and rstd are [M] contiguous in the accumulation dtype (mean
 // is undefined for RMSNorm). With a residual ([M, D] contiguous, of residual_out's dtype; x then contiguous too),
 // the norm is of residual_out = x + residual, which the kernels write; otherwise both are undefined.
@@ -32,10 +34,10 @@ struct ForwardArgs {
   int64_t rows, cols;
   at::Tensor residual, residual_out;
   RoundingOptions rounding;
-  int64_t x_row_stride;
+  RowStrides x_rows;
 };
 
-// Arguments of one backward call. dy is [M, D] contiguous; x is read as in ForwardArgs (x_row_stride); mean/rstd
+// Arguments of one backward call. dy is [M, D] contiguous; x is read as in ForwardArgs (x_rows); mean/rstd
 // as in ForwardArgs. dx ([M, D] contiguous), dweight, dbias are undefined when not requested. After a residual add,
 // x is residual_out (contiguous), whose dtype may differ from dy's (then dx has x's); grad_residual_out, if defined
 // ([M, D] contiguous, x's dtype), is added to dx.
@@ -45,7 +47,12 @@ struct BackwardArgs {
   int64_t rows, cols;
   at::Tensor grad_residual_out;
   RoundingOptions rounding;
-  int64_t x_row_stride;
+  RowStrides x_rows;
+  // memory_efficient: x holds the forward's output y instead of its input (a norm without bias), and the kernels
+  // recover xhat as y * inverse_weight, inverse_weight = 1 / (weight + offset) in the accumulation dtype ([D]
+  // contiguous; undefined without a weight: xhat = y). mean is not read then.
+  bool from_output = false;
+  at::Tensor inverse_weight;
 };
 
 // A contiguous tensor of `sizes` (at::empty).

@@ -88,6 +88,29 @@ void check_rounding(const char* op, const RoundingOptions& rounding, const std::
                     ": expected a weight with weight_offset=", rounding.weight_offset, ", but got weight=None");
 }
 
+void check_memory_efficient(const char* op, const std::optional<at::Tensor>& bias) {
+  // With a bias, xhat = (y - bias) / weight cancels where |bias| >> |xhat * weight|: y's rounding error, relative to
+  // y, becomes |bias / (xhat * weight)| times larger relative to xhat. Measured (weight 1 + 0.5 N(0, 1), bias
+  // N(0, 1)): weight gradients 5x (float32) to 76x (float16) further from float64 than torch's; float64 passed there
+  // but failed with N(0, 1) weights, where torch's error was 0. No dtype keeps the accuracy rule for every weight.
+  TORCH_CHECK_VALUE(!bias.has_value(), "torch_ln.", op,
+                    ": memory_efficient=True needs a norm without bias, but got a bias: the backward would recover ",
+                    "the normalized input as (y - bias) / weight, which cancels where |bias| is much larger than ",
+                    "|xhat * weight| (gradients beyond the accuracy rule); use memory_efficient=False, or bias=None");
+}
+
+at::Tensor inverse_weight(const char* op, const std::optional<at::Tensor>& weight, const RoundingOptions& rounding,
+                          at::ScalarType acc) {
+  if (!weight.has_value()) return {};
+  const auto scale = weight->to(acc).flatten() + rounding.weight_offset;
+  const int64_t zeros = scale.eq(0).sum().item<int64_t>();
+  TORCH_CHECK_VALUE(zeros == 0, "torch_ln.", op, ": memory_efficient=True recovers the normalized input from the ",
+                    "output as y / (weight + weight_offset), so it needs every weight + weight_offset nonzero, but ",
+                    zeros, " of ", scale.numel(), " are 0 (weight_offset=", rounding.weight_offset,
+                    "); use memory_efficient=False with this weight");
+  return scale.reciprocal().contiguous();
+}
+
 at::ScalarType residual_stream_dtype(const char* op, const char* name, std::optional<at::ScalarType> dtype,
                                      const char* like_name, const at::Tensor& like) {
   const auto in = like.scalar_type();
@@ -131,26 +154,33 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t) {
 
 at::Tensor unrequested_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
 
-std::pair<at::Tensor, int64_t> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols) {
+std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols) {
+  const auto copy = [&] { return std::pair{input.contiguous(), RowStrides{cols}}; };
   // Each row's elements contiguous: the normalized dimensions, size-1 ones aside, strided as a contiguous block.
   int64_t expected = 1;
   for (int64_t d = input.dim() - 1; d >= axis; --d) {
     if (input.size(d) == 1) continue;
-    if (input.stride(d) != expected) return {input.contiguous(), cols};
+    if (input.stride(d) != expected) return copy();
     expected *= input.size(d);
   }
-  // The rows evenly strided: the leading dimensions, size-1 ones aside, collapse into one.
-  int64_t row_stride = cols, inner_size = 0;
+  // The leading dimensions, size-1 ones aside, innermost first, merged where one continues the next: at most two
+  // levels (size, stride) remain to be read in place.
+  std::array<std::pair<int64_t, int64_t>, 2> levels{};
+  int depth = 0;
   for (int64_t d = axis - 1; d >= 0; --d) {
-    if (input.size(d) == 1) continue;
-    if (inner_size == 0) {
-      row_stride = input.stride(d);
-    } else if (input.stride(d) != row_stride * inner_size) {
-      return {input.contiguous(), cols};
+    const int64_t size = input.size(d), stride = input.stride(d);
+    if (size == 1) continue;
+    if (depth > 0 && stride == levels[depth - 1].second * levels[depth - 1].first) {
+      levels[depth - 1].first *= size;
+    } else if (depth == 2) {
+      return copy();
+    } else {
+      levels[depth++] = {size, stride};
     }
-    inner_size = inner_size == 0 ? input.size(d) : inner_size * input.size(d);
   }
-  return {input, row_stride};
+  if (depth == 0) return {input, RowStrides{cols}};
+  if (depth == 1) return {input, RowStrides{levels[0].second}};
+  return {input, RowStrides{levels[0].second, levels[0].first, levels[1].second}};
 }
 
 at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& options) {
@@ -161,22 +191,26 @@ void define_norm_schemas(torch::Library& m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   // weight_offset and round_normalized: see RoundingOptions (csrc/norm.h); the defaults are torch's arithmetic.
   // LayerNorm takes the offset only (zero-centred weights: y = xhat * (1 + w) + b); round_normalized reproduces the
-  // Llama family's RMSNorm, and no LayerNorm class rounds that way.
+  // Llama family's RMSNorm, and no LayerNorm class rounds that way. memory_efficient changes no result: the autograd
+  // registered in Python saves the output y instead of the input, and its backward passes it with from_output
+  // (BackwardArgs::from_output).
   m.def(
       "layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps,"
-      " float weight_offset=0.) -> (Tensor, Tensor, Tensor)",
+      " float weight_offset=0., bool memory_efficient=False) -> (Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, Tensor rstd,"
-      " Tensor? weight, Tensor? bias, bool[3] output_mask, float weight_offset=0.) -> (Tensor, Tensor, Tensor)",
+      " Tensor? weight, Tensor? bias, bool[3] output_mask, float weight_offset=0., bool from_output=False)"
+      " -> (Tensor, Tensor, Tensor)",
       tags);
   m.def(
       "rms_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps, float weight_offset=0.,"
-      " bool round_normalized=False) -> (Tensor, Tensor)",
+      " bool round_normalized=False, bool memory_efficient=False) -> (Tensor, Tensor)",
       tags);
   m.def(
       "rms_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor rstd, Tensor? weight,"
-      " bool[2] output_mask, float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor)",
+      " bool[2] output_mask, float weight_offset=0., bool round_normalized=False, bool from_output=False)"
+      " -> (Tensor, Tensor)",
       tags);
   // Residual add + norm: (y, residual_out, statistics); the backward's first output is the gradient of
   // residual_out, which is that of both input and residual. The rounding options are the plain norms'.

@@ -56,10 +56,19 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t);
 at::Tensor unrequested_grad(const at::Tensor& like);
 
 // The rows of `input` (normalized from dimension `axis` on, `cols` elements a row) as the kernels read them: the
-// input itself where each row's elements are contiguous and the rows, its leading dimensions flattened, are evenly
-// strided (a column slice, a head of a packed QKV projection, transposed leading dimensions), with the elements
-// from one row to the next; any other layout as a contiguous copy (stride cols).
-std::pair<at::Tensor, int64_t> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols);
+// input itself where each row's elements are contiguous and its leading dimensions, flattened, are at most two
+// strides deep (a column slice, a chunk, the heads of a packed QKV projection, transposed leading dimensions, a
+// broadcast row), with where each row starts; any other layout as a contiguous copy.
+std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols);
+
+// memory_efficient's backward recovers xhat = y / (weight + offset): a norm with a bias is refused (y - bias cancels,
+// see norm_ops.cpp).
+void check_memory_efficient(const char* op, const std::optional<at::Tensor>& bias);
+// 1 / (weight + offset) in `acc` ([D] contiguous; undefined without a weight), by which the backward multiplies y
+// (no division in the kernels: float64's slow-path call spilled a register kernel at its cap). Every weight + offset
+// must be nonzero: checked here (on CUDA, a reduction over the weight and one host synchronization).
+at::Tensor inverse_weight(const char* op, const std::optional<at::Tensor>& weight, const RoundingOptions& rounding,
+                          at::ScalarType acc);
 
 // The forward's optional residual add: the residual and the dtype of residual_out.
 struct ResidualAdd {
@@ -86,8 +95,8 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
     residual_out = Backend::kernels.empty_rows(input.sizes(), input.options().dtype(stream));
   }
   // The fused add reads x beside the contiguous residual: contiguous too.
-  const auto [x, x_row_stride] =
-      add.has_value() ? std::pair{input.contiguous(), s.cols} : strided_rows(input, s.axis, s.cols);
+  const auto [x, x_rows] =
+      add.has_value() ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   ForwardArgs a{x,
                 contiguous_or_undefined(weight),
@@ -101,7 +110,7 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
                 residual,
                 residual_out,
                 rounding,
-                x_row_stride};
+                x_rows};
   if (s.rows > 0) Backend::kernels.forward(kind, a);
   const auto stat_shape = statistics_shape(input, s.axis);
   return {a.y, residual_out, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
@@ -115,9 +124,9 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                                        const at::Tensor& input, at::IntArrayRef normalized_shape,
                                        const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                        const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                       std::array<bool, 3> output_mask, RoundingOptions rounding,
-                                       bool fused = false,
-                                       const std::optional<at::Tensor>& grad_residual_out = std::nullopt) {
+                                       std::array<bool, 3> output_mask, RoundingOptions rounding, bool fused = false,
+                                       const std::optional<at::Tensor>& grad_residual_out = std::nullopt,
+                                       bool from_output = false) {
   // The parameters' dtypes are checked against the norm's output dtype, which is grad_out's.
   const RowShape s = check_forward_inputs(op, fused ? grad_out : input, normalized_shape, weight, bias);
   check_rounding(op, rounding, weight);
@@ -131,7 +140,8 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
   } else {
     check_backward_inputs(op, grad_out, input, s, rstd, mean);
   }
-  const auto [x, x_row_stride] = fused ? std::pair{input.contiguous(), s.cols} : strided_rows(input, s.axis, s.cols);
+  const auto [x, x_rows] =
+      fused ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
   BackwardArgs a{grad_out.contiguous(),
                  x,
                  mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
@@ -144,7 +154,12 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                  s.cols,
                  output_mask[0] ? contiguous_or_undefined(grad_residual_out) : at::Tensor(),
                  rounding,
-                 x_row_stride};
+                 x_rows};
+  if (from_output) {
+    check_memory_efficient(op, bias);
+    a.from_output = true;
+    a.inverse_weight = inverse_weight(op, weight, rounding, a.rstd.scalar_type());
+  }
   if (output_mask[0]) a.dx = Backend::kernels.empty_rows(input.sizes(), input.options());
   const bool want_dweight = output_mask[1] && weight.has_value();
   const bool want_dbias = output_mask[2] && bias.has_value();
@@ -165,29 +180,29 @@ template <typename Backend>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                               const std::optional<at::Tensor>& weight,
                                                               const std::optional<at::Tensor>& bias, double eps,
-                                                              double weight_offset) {
+                                                              double weight_offset, bool memory_efficient) {
+  if (memory_efficient) check_memory_efficient("layer_norm", bias);
   const auto out = run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps,
                                         {weight_offset, false});
   return {out[0], out[2], out[3]};
 }
 
 template <typename Backend>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
-                                                              at::IntArrayRef normalized_shape, const at::Tensor& mean,
-                                                              const at::Tensor& rstd,
-                                                              const std::optional<at::Tensor>& weight,
-                                                              const std::optional<at::Tensor>& bias,
-                                                              std::array<bool, 3> output_mask, double weight_offset) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
+    const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape, const at::Tensor& mean,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask, double weight_offset, bool from_output) {
   const auto [dx, dweight, dbias] =
       run_backward<Backend>(NormKind::LayerNorm, "layer_norm_backward", grad_out, input, normalized_shape, mean, rstd,
-                            weight, bias, output_mask, {weight_offset, false});
+                            weight, bias, output_mask, {weight_offset, false}, false, std::nullopt, from_output);
   return {dx, dweight, dbias};
 }
 
 template <typename Backend>
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                 const std::optional<at::Tensor>& weight, std::optional<double> eps,
-                                                double weight_offset, bool round_normalized) {
+                                                double weight_offset, bool round_normalized,
+                                                bool /*memory_efficient*/) {
   const auto out =
       run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
                            eps.value_or(default_rms_eps(input.scalar_type())), {weight_offset, round_normalized});
@@ -199,10 +214,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, cons
                                                 at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                 const std::optional<at::Tensor>& weight,
                                                 std::array<bool, 2> output_mask, double weight_offset,
-                                                bool round_normalized) {
-  const auto grads = run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape,
-                                           std::nullopt, rstd, weight, std::nullopt,
-                                           {output_mask[0], output_mask[1], false}, {weight_offset, round_normalized});
+                                                bool round_normalized, bool from_output) {
+  const auto grads =
+      run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape, std::nullopt,
+                            rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false},
+                            {weight_offset, round_normalized}, false, std::nullopt, from_output);
   return {grads[0], grads[1]};
 }
 

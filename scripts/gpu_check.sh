@@ -159,6 +159,11 @@ if wants bench; then
   timeout 150 python3 benchmarks/bench_compile_pass.py --device cuda --dtype bfloat16 --quick --cases block \
     --steps fwd+bwd --batch 4 --seq 1024 --hidden 2048 --out "$WORK/bench/compile_pass" > "$WORK/bench_compile_pass.txt" 2>&1
   note "bench_compile_pass exit: $?"
+  # memory_efficient (issue 39 item 2): peak memory (torch.cuda.max_memory_allocated) and time of a training step.
+  step "memory-efficient backward (bench_memory_efficient.py, bfloat16)"
+  timeout 60 python3 benchmarks/bench_memory_efficient.py --device cuda --dtype bfloat16 --quick --batch 8 \
+    --seq 1024 --hidden 2048 --out "$WORK/bench/memory_efficient" > "$WORK/bench_memory_efficient.txt" 2>&1
+  note "bench_memory_efficient exit: $?"
   pack
   step "kernel model: measured beside predicted (the benchmark's cases)"
   timeout 90 python3 benchmarks/kernel_model.py --compare "$WORK"/bench/{layer,rms}_norm_cuda.csv \

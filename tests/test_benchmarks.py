@@ -102,3 +102,17 @@ def test_compile_pass_benchmark(tmp_path):
     for row in rows:
         assert float(row["ms"]) > 0, row
         assert row["check"] == ("bitwise" if row["provider"] == "pass" else ""), row
+
+
+def test_memory_efficient_benchmark(tmp_path):
+    # benchmarks/bench_memory_efficient.py at a tiny size: both norms and options, and the option saves less (the
+    # norms' inputs, two [batch x seq, hidden] rows per block, no longer held).
+    args = ["--device", "cpu", "--quick", "--hidden", "64", "--seq", "16", "--layers", "2"]
+    rows = _run("bench_memory_efficient.py", args, tmp_path)
+    assert {(r["norm"], r["option"]) for r in rows} == {
+        (norm, option) for norm in ("rms", "layer") for option in ("saves x", "memory_efficient")
+    }
+    for row in rows:
+        assert float(row["step_ms"]) > 0 and float(row["norm_bwd_ms"]) > 0, row
+        if row["option"] == "memory_efficient":
+            assert float(row["saved_vs_plain"]) < 1, row

@@ -1,13 +1,13 @@
-"""Strided rows (issue 39 item 1): the plain norms read x through a row stride instead of copying it.
+"""Strided rows (issue 39 item 1): the plain norms read x through its strides instead of copying it.
 
 A layout is read in place when each row's normalized elements are contiguous and the rows, the leading dimensions
-flattened, are evenly strided: a column slice, a chunk or split of the last dimension, leading dimensions that
-collapse (a slice of a 3-D tensor), a broadcast row (stride 0). Any other layout (transposed leading dimensions,
-several heads of a packed QKV projection, whose rows are two strides deep) is copied first, as before. The fused add
-reads x and residual contiguous. Outputs (y, dx) are contiguous.
+flattened, are at most two strides deep: a column slice, a chunk or split of the last dimension, leading dimensions
+that collapse (a slice of a 3-D tensor), a broadcast row (stride 0), transposed leading dimensions, the heads of a
+packed QKV projection. Any other layout (three strides deep, rows whose elements are strided) is copied first, as
+before. The fused add reads x and residual contiguous. Outputs (y, dx) are contiguous.
 
 Every result on a strided input must be bitwise the result on its contiguous copy: the kernels compute each row
-the same way wherever it is read from (the CUDA kernels' vector path needs the row stride 16-byte aligned, as the
+the same way wherever it is read from (the CUDA kernels' vector path needs every row start 16-byte aligned, as the
 base: otherwise the scalar path, same bits).
 """
 
@@ -44,20 +44,44 @@ def _broadcast_row(M, D, dtype):
     return torch.randn(1, D).to(dtype).expand(M, D)  # stride 0: one row read M times
 
 
-# Layouts read in place, each with its row stride.
-IN_PLACE = [_column_slice, _aligned_slice, _chunk, _three_d_slice, _broadcast_row]
-
-
 def _transposed(M, D, dtype):
-    return torch.randn(M, 2, D).to(dtype).transpose(0, 1)  # leading dims [2, M] strided [D, 2D]: not one stride
+    return torch.randn(M, 2, D).to(dtype).transpose(0, 1)  # leading dims [2, M] strided [D, 2D]: two levels
 
 
 def _packed_heads(M, D, dtype):
-    # q of a packed QKV projection [tokens, (2 + 1 + 1) heads x D] viewed as [tokens, 2, D]: rows two strides deep.
+    # q of a packed QKV projection [tokens, (2 + 1 + 1) heads x D] viewed as [tokens, 2, D]: heads D apart, tokens
+    # 4D apart, two levels
     return torch.randn(M, 4 * D).to(dtype)[:, : 2 * D].view(M, 2, D)
 
 
-COPIED = [_transposed, _packed_heads]
+def _packed_heads_odd_width(M, D, dtype):
+    # as _packed_heads with one element more per token: the tokens' stride is odd (the CUDA kernels' scalar path)
+    return torch.randn(M, 4 * D + 1).to(dtype)[:, D : 3 * D].view(M, 2, D)
+
+
+# Layouts read in place.
+IN_PLACE = [
+    _column_slice,
+    _aligned_slice,
+    _chunk,
+    _three_d_slice,
+    _broadcast_row,
+    _transposed,
+    _packed_heads,
+    _packed_heads_odd_width,
+]
+
+
+def _three_levels(M, D, dtype):
+    # leading dims [2, M, 2] strided [3D, 6D, D]: no two of them merge, three levels
+    return torch.randn(M, 2, 3, D).to(dtype)[:, :, :2].transpose(0, 1)
+
+
+def _strided_elements(M, D, dtype):
+    return torch.randn(D, M).to(dtype).t()  # each row's elements M apart
+
+
+COPIED = [_three_levels, _strided_elements]
 
 
 def _run(norm, x, weight, bias, grad_out):
@@ -100,8 +124,9 @@ def test_no_copy_of_a_strided_input(norm, layout):
     _, stats = norm.fwd(x, [64], weight, bias)
     assert _copies(lambda: norm.fwd(x, [64], weight, bias)) == []
     assert _copies(lambda: norm.bwd(grad_out, x, [64], stats, weight, bias)) == []
-    copied = _transposed(8, 64, torch.float32)
-    assert _copies(lambda: norm.fwd(copied, [64], weight, bias)) != []
+    for copied_layout in COPIED:
+        copied = copied_layout(8, 64, torch.float32)
+        assert _copies(lambda copied=copied: norm.fwd(copied, [64], weight, bias)) != []
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -126,20 +151,30 @@ def test_autograd_saves_the_view(norm):
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
 
 
+# Views of a [6, 160] tensor, 32 elements a row: a column slice (one stride), the first two heads of a packed
+# [6, 5 heads x 32] projection (two strides).
+VIEWS = {
+    "column_slice": lambda base: base[:, 5:37],
+    "packed_heads": lambda base: base[:, :64].unflatten(-1, (2, 32)),
+}
+
+
+@pytest.mark.parametrize("view", VIEWS)
 @pytest.mark.parametrize("norm", NORMS)
-def test_opcheck_and_compile_with_strided_input(norm):
-    x = _column_slice(6, 32, torch.float32)
+def test_opcheck_and_compile_with_strided_input(norm, view):
+    rows_of = VIEWS[view]
+    x = rows_of(torch.randn(6, 160))
     weight, bias = make_params(norm, (32,), True, norm.has_bias, torch.float32, "cpu")
     args = (x, [32], weight, bias, 1e-5) if norm.has_bias else (x, [32], weight, 1e-5)
     torch.library.opcheck(norm.fwd_op, args)
     _, *stats = norm.fwd_op(*args)
     params = (weight, bias) if norm.has_bias else (weight,)
-    torch.library.opcheck(norm.bwd_op, (torch.randn(6, 32), x, [32], *stats, *params, [True] * (1 + len(params))))
+    torch.library.opcheck(norm.bwd_op, (torch.randn(x.shape), x, [32], *stats, *params, [True] * (1 + len(params))))
 
     def fn(base):
-        return norm.ours(base[:, 5:37], (32,), weight, bias, norm.default_eps)
+        return norm.ours(rows_of(base), (32,), weight, bias, norm.default_eps)
 
-    base = torch.randn(6, 45)
+    base = torch.randn(6, 160)
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(base), fn(base))

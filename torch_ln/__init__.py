@@ -4,7 +4,8 @@ Entry points: :func:`layer_norm`, :func:`rms_norm` (functional), :class:`LayerNo
 :class:`RMSNorm` (drop-ins for the torch.nn modules), :func:`replace_norms` (also for transformers' and
 timm's norm classes, see :mod:`torch_ln.integrations`) and :func:`register_norm`; the fused residual
 add + norm of pre-norm transformers: :func:`add_layer_norm`, :func:`add_rms_norm`, :class:`AddLayerNorm`,
-:class:`AddRMSNorm`; :mod:`torch_ln.compile`, a torch.compile backend that rewrites a model's norms (inline, torch's, and
+:class:`AddRMSNorm`; QK-norm on a packed QKV projection, read in place: :func:`qk_rms_norm`;
+:mod:`torch_ln.compile`, a torch.compile backend that rewrites a model's norms (inline, torch's, and
 the adds before them) to these operators without swapping modules; for C++, :func:`cmake_prefix_path`
 (find_package(torch_ln) gives the target torch_ln::torch_ln).
 """
@@ -31,7 +32,15 @@ from torch_ln.modules import (
     register_norm,
     replace_norms,
 )
-from torch_ln.ops import add_layer_norm, add_rms_norm, empty_output_cache, layer_norm, output_cache_bytes, rms_norm
+from torch_ln.ops import (
+    add_layer_norm,
+    add_rms_norm,
+    empty_output_cache,
+    layer_norm,
+    output_cache_bytes,
+    qk_rms_norm,
+    rms_norm,
+)
 
 
 class _RegisterShardingAfterDTensorLoads(importlib.abc.MetaPathFinder):
@@ -72,6 +81,7 @@ __all__ = [
     "integrations",
     "layer_norm",
     "output_cache_bytes",
+    "qk_rms_norm",
     "register_norm",
     "replace_norms",
     "rms_norm",

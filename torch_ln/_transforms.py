@@ -92,13 +92,23 @@ def _per_sample_affine_grads(args: dict, xhat: Tensor, params: tuple, wanted: Se
 # `normalized`: the name of the backward op's argument that holds the norm's input (the fused ops': residual_out).
 
 
+def _saved_xhat(args: dict, normalized: str, centred: bool) -> Tensor:
+    """xhat from the backward op's rows: the norm's input with its statistics, or (from_output: memory_efficient's
+    backward, a norm without bias) the forward's output y, as y / (weight + weight_offset)."""
+    rows = args[normalized].to(args["rstd"].dtype)
+    if args.get("from_output", False):
+        weight = args["weight"]
+        return rows / (weight.to(rows.dtype) + args["weight_offset"]) if weight is not None else rows
+    return (rows - args["mean"]) * args["rstd"] if centred else rows * args["rstd"]
+
+
 def _layer_norm_param_grads(args: dict, wanted: Sequence[bool], normalized: str = "input") -> list[Tensor | None]:
-    xhat = (args[normalized].to(args["rstd"].dtype) - args["mean"]) * args["rstd"]
+    xhat = _saved_xhat(args, normalized, centred=True)
     return _per_sample_affine_grads(args, xhat, (args["weight"], args["bias"]), wanted)
 
 
 def _rms_norm_param_grads(args: dict, wanted: Sequence[bool], normalized: str = "input") -> list[Tensor | None]:
-    xhat = args[normalized].to(args["rstd"].dtype) * args["rstd"]
+    xhat = _saved_xhat(args, normalized, centred=False)
     return _per_sample_affine_grads(args, xhat, (args["weight"],), wanted)
 
 

@@ -14,19 +14,22 @@ from torch_ln import ops
 __all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "forward_converter", "register_norm", "replace_norms"]
 
 
-class _WeightOffset:
-    """The rounding options of the norm modules, as keywords of their constructors.
+class _NormOptions:
+    """The options of the norm modules, as keywords of their constructors.
 
     ``weight_offset``: the norm multiplies by ``weight + weight_offset`` (zero-centred weights with 1: Gemma's
     ``1 + w``, TransformerEngine's ``zero_centered_gamma``). The state_dict holds ``weight`` itself, as torch's
     modules do, and ``reset_parameters`` sets it to ``1 - weight_offset``, so that a new module multiplies by 1
     (zeros for an offset of 1): weight decay then pulls toward the identity. ``round_normalized`` (RMSNorm only):
-    Llama's rounding, see :func:`torch_ln.rms_norm`. The class attributes are the defaults, which modules swapped in
-    by :func:`replace_norms` keep.
+    Llama's rounding, see :func:`torch_ln.rms_norm`. ``memory_efficient`` (LayerNorm and RMSNorm): autograd saves
+    the output instead of the input, see :func:`torch_ln.layer_norm`; a plain attribute, which may be set on a module
+    later (one swapped in by :func:`replace_norms`, say). The class attributes are the defaults, which modules swapped
+    in by :func:`replace_norms` keep.
     """
 
     weight_offset: float = 0.0
     round_normalized: bool = False
+    memory_efficient: bool = False
 
     def _set_rounding(self, weight_offset: float, round_normalized: bool = False) -> None:
         self.weight_offset, self.round_normalized = float(weight_offset), bool(round_normalized)
@@ -42,36 +45,53 @@ class _WeightOffset:
     def extra_repr(self) -> str:
         options = [f"weight_offset={self.weight_offset}"] if self.weight_offset else []
         options += ["round_normalized=True"] if self.round_normalized else []
+        options += ["memory_efficient=True"] if self.memory_efficient else []
         return ", ".join([super().extra_repr(), *options])
 
 
-class LayerNorm(_WeightOffset, nn.LayerNorm):
+class LayerNorm(_NormOptions, nn.LayerNorm):
     """:class:`torch.nn.LayerNorm` computed by torch_ln's kernels.
 
     It subclasses ``nn.LayerNorm``, so the constructor (``normalized_shape``, ``eps``,
     ``elementwise_affine``, ``bias``, ``device``, ``dtype``), the ``weight``/``bias``
     parameters (``None`` where torch has ``None``), ``reset_parameters``, ``extra_repr``,
     the state_dict and ``isinstance(m, nn.LayerNorm)`` are torch's own. The keyword
-    ``weight_offset`` (default 0) gives zero-centred weights: ``y = xhat * (weight + weight_offset) + bias``.
+    ``weight_offset`` (default 0) gives zero-centred weights: ``y = xhat * (weight + weight_offset) + bias``;
+    ``memory_efficient`` (default False) saves the output for the backward instead of the input.
     """
 
-    def __init__(self, *args, weight_offset: float = 0.0, **kwargs) -> None:
+    def __init__(self, *args, weight_offset: float = 0.0, memory_efficient: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._set_rounding(weight_offset)
+        self.memory_efficient = bool(memory_efficient)
 
     def forward(self, input: Tensor) -> Tensor:
         return ops.layer_norm(
-            input, self.normalized_shape, self.weight, self.bias, self.eps, weight_offset=self.weight_offset
+            input,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            weight_offset=self.weight_offset,
+            memory_efficient=self.memory_efficient,
         )
 
 
-class RMSNorm(_WeightOffset, nn.RMSNorm):
+class RMSNorm(_NormOptions, nn.RMSNorm):
     """:class:`torch.nn.RMSNorm` computed by torch_ln's kernels (a subclass, like LayerNorm), with the keywords
-    ``weight_offset`` and ``round_normalized`` of :func:`torch_ln.rms_norm`."""
+    ``weight_offset``, ``round_normalized`` and ``memory_efficient`` of :func:`torch_ln.rms_norm`."""
 
-    def __init__(self, *args, weight_offset: float = 0.0, round_normalized: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        weight_offset: float = 0.0,
+        round_normalized: bool = False,
+        memory_efficient: bool = False,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._set_rounding(weight_offset, round_normalized)
+        self.memory_efficient = bool(memory_efficient)
 
     def forward(self, input: Tensor) -> Tensor:
         return ops.rms_norm(
@@ -81,6 +101,7 @@ class RMSNorm(_WeightOffset, nn.RMSNorm):
             self.eps,
             weight_offset=self.weight_offset,
             round_normalized=self.round_normalized,
+            memory_efficient=self.memory_efficient,
         )
 
 
@@ -97,7 +118,7 @@ _UNRESOLVED: set[type] = set()
 logger = logging.getLogger("torch_ln")
 
 
-class AddLayerNorm(_WeightOffset, nn.LayerNorm):
+class AddLayerNorm(_NormOptions, nn.LayerNorm):
     """Residual add + LayerNorm: ``forward(x, residual)`` returns ``(y, residual_out)`` (see
     :func:`torch_ln.add_layer_norm`).
 
@@ -124,7 +145,7 @@ class AddLayerNorm(_WeightOffset, nn.LayerNorm):
         )
 
 
-class AddRMSNorm(_WeightOffset, nn.RMSNorm):
+class AddRMSNorm(_NormOptions, nn.RMSNorm):
     """Residual add + RMSNorm: ``forward(x, residual)`` returns ``(y, residual_out)``, as :class:`AddLayerNorm`,
     with :class:`RMSNorm`'s keywords ``weight_offset`` and ``round_normalized``."""
 

@@ -12,7 +12,15 @@ from torch import Tensor
 
 from torch_ln import _C, _transforms, reference
 
-__all__ = ["add_layer_norm", "add_rms_norm", "empty_output_cache", "layer_norm", "output_cache_bytes", "rms_norm"]
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "empty_output_cache",
+    "layer_norm",
+    "output_cache_bytes",
+    "qk_rms_norm",
+    "rms_norm",
+]
 
 _ops = torch.ops.torch_ln
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
@@ -56,6 +64,7 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     weight_offset: float = 0.0,
+    memory_efficient: bool = False,
 ) -> Tensor:
     """Layer normalization over the trailing ``normalized_shape`` dimensions.
 
@@ -66,10 +75,16 @@ def layer_norm(
     ``weight_offset``: the weight enters as ``weight + weight_offset``, added in float32
     (zero-centred weights with 1: ``y = xhat * (1 + weight) + bias``, TransformerEngine's
     ``zero_centered_gamma``, Megatron's ``apply_layernorm_1p``).
+
+    ``memory_efficient``: autograd saves the output instead of the input (the next layer holds it anyway), and the
+    backward recovers the normalized input as ``y / (weight + weight_offset)``. Same forward; gradients within the
+    project's accuracy rule; no bias (``y - bias`` cancels: an error); every ``weight + weight_offset`` nonzero (an
+    error at the backward otherwise); no double backward. See the README, "Memory-efficient backward".
     """
-    if _eager(input, weight, bias):
+    if not memory_efficient and _eager(input, weight, bias):
         return _C.layer_norm(input, normalized_shape, weight, bias, eps, weight_offset)
-    return _ops.layer_norm_fwd.default(input, _as_shape(normalized_shape), weight, bias, eps, weight_offset)[0]
+    shape = _as_shape(normalized_shape)
+    return _ops.layer_norm_fwd.default(input, shape, weight, bias, eps, weight_offset, memory_efficient)[0]
 
 
 def rms_norm(
@@ -80,6 +95,7 @@ def rms_norm(
     *,
     weight_offset: float = 0.0,
     round_normalized: bool = False,
+    memory_efficient: bool = False,
 ) -> Tensor:
     """Root-mean-square normalization, as :func:`torch.nn.functional.rms_norm`.
 
@@ -95,11 +111,14 @@ def rms_norm(
       weight multiply, which then rounds again (Llama's ``weight * x_normed.to(input_dtype)``).
       The backward follows the same rounding: ``dy * weight`` is rounded to the input's dtype,
       and the weight gradient sums ``dy * rounded_xhat`` rounded to the input's dtype.
+
+    ``memory_efficient``: as :func:`layer_norm`'s, the normalized input recovered as ``y / (weight +
+    weight_offset)``.
     """
-    if _eager(input, weight):
+    if not memory_efficient and _eager(input, weight):
         return _C.rms_norm(input, normalized_shape, weight, eps, weight_offset, round_normalized)
     shape = _as_shape(normalized_shape)
-    return _ops.rms_norm_fwd.default(input, shape, weight, eps, weight_offset, round_normalized)[0]
+    return _ops.rms_norm_fwd.default(input, shape, weight, eps, weight_offset, round_normalized, memory_efficient)[0]
 
 
 def add_layer_norm(
@@ -157,6 +176,44 @@ def add_rms_norm(
     return y, residual_out
 
 
+def qk_rms_norm(
+    qkv: Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    weight_offset: float = 0.0,
+    round_normalized: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """QK-norm on a packed QKV projection: RMS-normalizes each head of q and of k, read in place.
+
+    ``qkv`` is ``[..., (q_heads + 2 * kv_heads) * head_dim]``, q's heads first, then k's, then v's (the layout of
+    vLLM's and Megatron's fused projections and of ``torch.cat([q, k, v], -1)``). Returns ``(q, k)``, new contiguous
+    tensors of shape ``[..., q_heads, head_dim]`` and ``[..., kv_heads, head_dim]``: ``rms_norm`` of each head with
+    ``q_weight`` / ``k_weight`` (``[head_dim]``), ``eps`` and the rounding options of :func:`rms_norm`, bit for bit.
+    v is left alone: ``qkv[..., (q_heads + kv_heads) * head_dim:]``.
+
+    The heads are read through the view's strides, with no copy of qkv, forward and backward (autograd saves the
+    views). q and k take one kernel launch each: one launch for both would need a weight chosen per row.
+    """
+    for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if value <= 0:
+            raise ValueError(f"torch_ln.qk_rms_norm: expected {name} to be positive, but got {name}={value}")
+    width = (q_heads + 2 * kv_heads) * head_dim
+    if qkv.dim() < 1 or qkv.shape[-1] != width:
+        raise ValueError(
+            f"torch_ln.qk_rms_norm: expected qkv's last dimension to be (q_heads + 2 * kv_heads) * head_dim = "
+            f"({q_heads} + 2 * {kv_heads}) * {head_dim} = {width}, but got qkv.shape={tuple(qkv.shape)}"
+        )
+    q = qkv[..., : q_heads * head_dim].unflatten(-1, (q_heads, head_dim))
+    k = qkv[..., q_heads * head_dim : (q_heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
+    options = {"weight_offset": weight_offset, "round_normalized": round_normalized}
+    return rms_norm(q, head_dim, q_weight, eps, **options), rms_norm(k, head_dim, k_weight, eps, **options)
+
+
 def empty_output_cache() -> int:
     """Returns the CPU outputs that torch_ln keeps for reuse (freed y, residual_out and dx of 1 MiB or more, up to
     TORCH_LN_OUTPUT_CACHE_MB, default 256) to the system allocator, and the number of bytes they held."""
@@ -182,7 +239,7 @@ def _unrequested(input: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("torch_ln::layer_norm_fwd")
-def _(input, normalized_shape, weight, bias, eps, weight_offset=0.0):
+def _(input, normalized_shape, weight, bias, eps, weight_offset=0.0, memory_efficient=False):
     return (
         torch.empty_like(input, memory_format=torch.contiguous_format),
         _statistics(input, normalized_shape),
@@ -191,7 +248,7 @@ def _(input, normalized_shape, weight, bias, eps, weight_offset=0.0):
 
 
 @torch.library.register_fake("torch_ln::rms_norm_fwd")
-def _(input, normalized_shape, weight, eps, weight_offset=0.0, round_normalized=False):
+def _(input, normalized_shape, weight, eps, weight_offset=0.0, round_normalized=False, memory_efficient=False):
     return torch.empty_like(input, memory_format=torch.contiguous_format), _statistics(input, normalized_shape)
 
 
@@ -221,12 +278,22 @@ def _fake_grads(input: Tensor, params: Sequence[Tensor | None], output_mask: Seq
 
 
 @torch.library.register_fake("torch_ln::layer_norm_bwd")
-def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, weight_offset=0.0):
+def _(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, weight_offset=0.0, from_output=False):
     return _fake_grads(input, (weight, bias), output_mask)
 
 
 @torch.library.register_fake("torch_ln::rms_norm_bwd")
-def _(grad_out, input, normalized_shape, rstd, weight, output_mask, weight_offset=0.0, round_normalized=False):
+def _(
+    grad_out,
+    input,
+    normalized_shape,
+    rstd,
+    weight,
+    output_mask,
+    weight_offset=0.0,
+    round_normalized=False,
+    from_output=False,
+):
     return _fake_grads(input, (weight,), output_mask)
 
 
@@ -269,12 +336,13 @@ def _(
 # grad_out is part of the graph.
 
 
-def _save_for_backward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, statistics: tuple) -> None:
-    """Saves only what the requested gradients need: dbias alone needs none of it."""
+def _save_for_backward(ctx, rows: Tensor, weight: Tensor | None, bias: Tensor | None, statistics: tuple) -> None:
+    """Saves only what the requested gradients need: dbias alone needs none of it. `rows`: the input, or under
+    memory_efficient the output."""
     needs_dx, _, needs_dweight, *_ = ctx.needs_input_grad
     keep = needs_dx or needs_dweight
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    kept = (input, weight, bias, *statistics) if keep else (None,) * (3 + len(statistics))
+    kept = (rows, weight, bias, *statistics) if keep else (None,) * (3 + len(statistics))
     ctx.save_for_backward(*kept)
 
 
@@ -286,14 +354,19 @@ def _sum_rows(grad_out: Tensor, normalized_shape: Sequence[int], dtype: torch.dt
     return grad_out.sum(batch_dims, dtype=reference.accumulation_dtype(dtype)).to(dtype)
 
 
-_ROUNDING_DEFAULTS = {"weight_offset": 0.0, "round_normalized": False}
+_OPTION_DEFAULTS = {"weight_offset": 0.0, "round_normalized": False, "memory_efficient": False}
 
 
-def _rounding_options(options: Sequence, centred: bool) -> dict:
-    """The rounding arguments of a backward op, by name, from the forward's trailing arguments: weight_offset, and
-    for RMSNorm round_normalized; the schema's defaults where a caller of the raw operator left them out."""
-    names = ("weight_offset",) if centred else ("weight_offset", "round_normalized")
-    return {name: options[i] if i < len(options) else _ROUNDING_DEFAULTS[name] for i, name in enumerate(names)}
+def _options(ctx, options: Sequence, centred: bool) -> None:
+    """The forward's trailing arguments, by name (the schema's defaults where a caller of the raw operator left them
+    out): ctx.rounding, the backward op's rounding arguments (weight_offset, and for RMSNorm round_normalized), and
+    ctx.memory_efficient."""
+    names = (
+        ("weight_offset", "memory_efficient") if centred else ("weight_offset", "round_normalized", "memory_efficient")
+    )
+    given = {name: options[i] if i < len(options) else _OPTION_DEFAULTS[name] for i, name in enumerate(names)}
+    ctx.memory_efficient = given.pop("memory_efficient")
+    ctx.rounding = given
 
 
 def _offset_weight(weight: Tensor | None, rounding: dict) -> Tensor | None:
@@ -303,52 +376,78 @@ def _offset_weight(weight: Tensor | None, rounding: dict) -> Tensor | None:
     return weight + offset if weight is not None and offset else weight
 
 
+def _check_single_backward(ctx, name: str) -> None:
+    if ctx.memory_efficient:
+        raise RuntimeError(
+            f"torch_ln.{name}: memory_efficient=True has no double backward (create_graph=True, torch.func): the "
+            "closed-form backward needs the input, which was not saved; use memory_efficient=False"
+        )
+
+
 def _layer_norm_setup_context(ctx, inputs, output):
     input, normalized_shape, weight, bias, eps, *options = inputs
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
-    ctx.rounding = _rounding_options(options, centred=True)
-    _save_for_backward(ctx, input, weight, bias, output[1:])
+    _options(ctx, options, centred=True)
+    _save_for_backward(ctx, output[0] if ctx.memory_efficient else input, weight, bias, output[1:])
 
 
 def _layer_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
-    input, weight, bias, mean, rstd = ctx.saved_tensors
+    rows, weight, bias, mean, rstd = ctx.saved_tensors
     needs_dx, _, needs_dweight, needs_dbias, *_ = ctx.needs_input_grad
-    if input is None:
-        return None, None, None, _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype), None, None
-    if _needs_double_backward(grad_out, input, weight, bias):
+    if rows is None:
+        return None, None, None, _sum_rows(grad_out, ctx.normalized_shape, ctx.bias_dtype), None, None, None
+    if _needs_double_backward(grad_out, rows, weight, bias):
+        _check_single_backward(ctx, "layer_norm")
         dx, dweight, dbias = reference.norm_backward(
-            grad_out, input, ctx.normalized_shape, _offset_weight(weight, ctx.rounding), bias, ctx.eps, centred=True
+            grad_out, rows, ctx.normalized_shape, _offset_weight(weight, ctx.rounding), bias, ctx.eps, centred=True
         )
     else:
         mask = [needs_dx, needs_dweight, needs_dbias]
         dx, dweight, dbias = _ops.layer_norm_bwd(
-            grad_out, input, ctx.normalized_shape, mean, rstd, weight, bias, mask, **ctx.rounding
+            grad_out,
+            rows,
+            ctx.normalized_shape,
+            mean,
+            rstd,
+            weight,
+            bias,
+            mask,
+            **ctx.rounding,
+            from_output=ctx.memory_efficient,
         )
     dweight, dbias = (dweight if needs_dweight else None), (dbias if needs_dbias else None)
-    return dx if needs_dx else None, None, dweight, dbias, None, None
+    return dx if needs_dx else None, None, dweight, dbias, None, None, None
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
     input, normalized_shape, weight, eps, *options = inputs
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
-    ctx.rounding = _rounding_options(options, centred=False)
-    _save_for_backward(ctx, input, weight, None, output[1:])
+    _options(ctx, options, centred=False)
+    _save_for_backward(ctx, output[0] if ctx.memory_efficient else input, weight, None, output[1:])
 
 
 def _rms_norm_backward(ctx, grad_out, _grad_rstd):
-    input, weight, _, rstd = ctx.saved_tensors
+    rows, weight, _, rstd = ctx.saved_tensors
     needs_dx, _, needs_dweight, *_ = ctx.needs_input_grad
-    if _needs_double_backward(grad_out, input, weight):
+    if _needs_double_backward(grad_out, rows, weight):
+        _check_single_backward(ctx, "rms_norm")
         # round_normalized's roundings are not differentiable and this closed form leaves them out: it differs from
         # the kernel by those roundings only.
         dx, dweight, _ = reference.norm_backward(
-            grad_out, input, ctx.normalized_shape, _offset_weight(weight, ctx.rounding), None, ctx.eps, centred=False
+            grad_out, rows, ctx.normalized_shape, _offset_weight(weight, ctx.rounding), None, ctx.eps, centred=False
         )
     else:
         dx, dweight = _ops.rms_norm_bwd(
-            grad_out, input, ctx.normalized_shape, rstd, weight, [needs_dx, needs_dweight], **ctx.rounding
+            grad_out,
+            rows,
+            ctx.normalized_shape,
+            rstd,
+            weight,
+            [needs_dx, needs_dweight],
+            **ctx.rounding,
+            from_output=ctx.memory_efficient,
         )
-    return dx if needs_dx else None, None, dweight if needs_dweight else None, None, None, None
+    return dx if needs_dx else None, None, dweight if needs_dweight else None, None, None, None, None
 
 
 # The residual-add operators save residual_out (an output) instead of the input: the backward reads it once, and
@@ -360,7 +459,7 @@ def _add_norm_setup_context(ctx, inputs, output):
     layer = len(output) == 4  # (y, residual_out, mean, rstd); RMSNorm has no mean (and no bias argument)
     bias, eps, _residual_dtype, *options = rest if layer else (None, *rest)
     ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
-    ctx.rounding = _rounding_options(options, centred=layer)
+    _options(ctx, options, centred=layer)
     ctx.input_dtype, ctx.residual_dtype = input.dtype, residual.dtype
     needs_dx, needs_dresidual, _, needs_dweight, *_ = ctx.needs_input_grad
     ctx.bias_dtype = bias.dtype if bias is not None else None

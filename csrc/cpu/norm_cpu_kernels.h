@@ -282,7 +282,7 @@ struct NormCpu {
   static void forward_rows(const ForwardArgs& a) {
     const int64_t D = a.cols;
     const T* x = a.x.const_data_ptr<T>();
-    const int64_t x_stride = a.x_row_stride;  // D, but for a strided view (never with a residual)
+    const RowStrides x_rows = a.x_rows;  // D apart, but for a strided view (never with a residual)
     const R* residual = HasRes ? a.residual.const_data_ptr<R>() : nullptr;
     R* h = HasRes ? a.residual_out.mutable_data_ptr<R>() : nullptr;
     T* y = a.y.mutable_data_ptr<T>();
@@ -310,9 +310,12 @@ struct NormCpu {
       // The task's rows, with the weight and bias read through pointers of type P (W widened, or acc_t).
       const auto normalize_rows = [&](const auto* w, const auto* b) {
         for (const auto r : c10::irange(begin, end)) {
-          const InputRow<HasRes> in{
-              x + r * x_stride, HasRes ? residual + r * D : nullptr, HasRes ? h + r * D : nullptr, kept(r),
-              streaming, r + 1 < end && prefetch ? x_stride : 0};
+          const InputRow<HasRes> in{x + x_rows.offset(r),
+                                    HasRes ? residual + r * D : nullptr,
+                                    HasRes ? h + r * D : nullptr,
+                                    kept(r),
+                                    streaming,
+                                    r + 1 < end && prefetch ? x_rows.offset(r + 1) - x_rows.offset(r) : 0};
           forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming,
                                   round);
         }
@@ -527,13 +530,16 @@ struct NormCpu {
         : D(a.cols),
           dy(a.dy.const_data_ptr<T>()),
           x(a.x.const_data_ptr<R>()),
-          x_stride(a.x_row_stride),
+          x_rows(a.x_rows),
           dx(a.dx.defined() ? a.dx.mutable_data_ptr<R>() : nullptr),
           grad_residual_out(a.grad_residual_out.defined() ? a.grad_residual_out.const_data_ptr<R>() : nullptr),
           weight(std::move(weight_acc)),
           w(weight.defined() ? weight.const_data_ptr<A>() : nullptr),
           mean(kCentered ? a.mean.const_data_ptr<A>() : nullptr),
           rstd(a.rstd.const_data_ptr<A>()),
+          from_output(a.from_output),
+          inverse_weight(a.inverse_weight),
+          inv_w(inverse_weight.defined() ? inverse_weight.const_data_ptr<A>() : nullptr),
           streaming(a.dx.defined() &&
                     use_streaming_stores(a.dy.nbytes() + a.x.nbytes() + a.dx.nbytes() +
                                          (a.grad_residual_out.defined() ? a.grad_residual_out.nbytes() : 0))),
@@ -541,12 +547,15 @@ struct NormCpu {
     int64_t D;
     const T* dy;
     const R* x;
-    int64_t x_stride;  // elements from one row of x to the next (D, but for a strided view)
+    RowStrides x_rows;  // where each row of x starts (D apart, but for a strided view)
     R* dx;
     const R* grad_residual_out;  // added to dx; null when there is none
     at::Tensor weight;           // acc_t
     const A* w;
     const A *mean, *rstd;
+    bool from_output;           // x is the forward's output (BackwardArgs::from_output)
+    at::Tensor inverse_weight;  // 1 / (weight + offset) where x is the output and there is a weight
+    const A* inv_w;
     bool streaming;
     bool round;  // Llama-style rounding (RoundingOptions::round_normalized)
 
@@ -567,6 +576,17 @@ struct NormCpu {
     }
 
     A mean_of(int64_t r) const { return kCentered ? mean[r] : A(0); }
+
+    // xhat of elements [j, j + c) of a row from their values v: (x - mean) * rstd, or where the rows are the
+    // forward's output (memory_efficient) y / (weight + offset), as y * inverse_weight.
+    Group<A> xhat(Group<A> v, int64_t j, int64_t c, A mean, A rstd) const {
+      if (!from_output) return normalize(v, mean, rstd);
+      if (inv_w != nullptr) {
+        const Group<A> inv = load_group<A>(inv_w + j, c);
+        for (const auto i : c10::irange(kU)) v[i] = v[i] * inv[i];
+      }
+      return v;
+    }
   };
 
   // Each chunk of rows: per row, the gradient means, then dx and the row's dweight/dbias terms added to the chunk's
@@ -701,14 +721,19 @@ struct NormCpu {
     } else {
       const int64_t D = rows.D;
       const T* dy = rows.dy + r * D;
-      const R* x = rows.x + r * rows.x_stride;
+      const R* x = rows.x + rows.x_rows.offset(r);
       const A mean = rows.mean_of(r);
       const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
         Sums<A, 2> t{rows.template weighted<HasW>(load_group<A>(dy + j, c), j, c), load_group<A>(x + j, c)};
-        for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
+        if (rows.from_output) {  // g * xhat, xhat recovered from y
+          t[1] = rows.xhat(t[1], j, c, mean, A(1));
+          for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * t[1][i];
+        } else {  // g * (x - mean), times rstd once the row is summed
+          for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
+        }
         return t;
       });
-      return {kCentered ? sums[0] / D : A(0), sums[1] * rows.rstd[r] / D};
+      return {kCentered ? sums[0] / D : A(0), sums[1] * (rows.from_output ? A(1) : rows.rstd[r]) / D};
     }
   }
 
@@ -721,7 +746,8 @@ struct NormCpu {
                                                 A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
     const int64_t D = rows.D;
     const T* dy = rows.dy + r * D + j0;
-    const R* x = rows.x + r * rows.x_stride + j0;
+    const R* x = rows.x + rows.x_rows.offset(r) + j0;
+    const int64_t next_x = prefetch_next ? rows.x_rows.offset(r + 1) - rows.x_rows.offset(r) : 0;
     R* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
     const R* extra = WantDx && rows.grad_residual_out != nullptr ? rows.grad_residual_out + r * D + j0 : nullptr;
     const A mean = rows.mean_of(r), rstd = rows.rstd[r];
@@ -730,10 +756,10 @@ struct NormCpu {
         [&](int64_t j, int64_t c) {
           if (prefetch_next) {
             prefetch_step<A>(dy + D + j);
-            prefetch_step<A>(x + rows.x_stride + j);
+            prefetch_step<A>(x + next_x + j);
           }
           const Group<A> dyv = load_group<A>(dy + j, c);
-          const Group<A> xhat = normalize(load_group<A>(x + j, c), mean, rstd);
+          const Group<A> xhat = rows.xhat(load_group<A>(x + j, c), j0 + j, c, mean, rstd);
           if constexpr (WantDx) {
             Group<A> g = rows.template weighted<HasW>(dyv, j0 + j, c);
             for (const auto i : c10::irange(kU)) {

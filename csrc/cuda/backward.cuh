@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "../norm_kind.h"
+#include "../row_strides.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
 #include "rounding.cuh"
@@ -20,15 +21,16 @@
 namespace torch_ln {
 
 // R: the element type of x and dx, T's or, after a residual add, residual_out's.
-// A row stride that only some kernels take (BackwardParams::x_rows): with Strided false it holds nothing.
+// Where the rows of x start, an argument only some kernels take (BackwardParams::x_rows): with Strided false it holds
+// nothing, and the rows are contiguous.
 template <bool Strided>
-struct XRowStride {
-  int64_t value = 0;
-  TLN_DEVICE int64_t stride(int64_t) const { return value; }
+struct XRowStarts {
+  RowStrides strides;
+  TLN_DEVICE int64_t offset(int64_t row, int64_t) const { return strides.offset(row); }
 };
 template <>
-struct XRowStride<false> {
-  TLN_DEVICE int64_t stride(int64_t cols) const { return cols; }
+struct XRowStarts<false> {
+  TLN_DEVICE int64_t offset(int64_t row, int64_t cols) const { return row * cols; }
 };
 
 template <typename T, typename W, typename acc_t, typename R = T>
@@ -54,12 +56,16 @@ struct BackwardParams {
   // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
   // kernels', and the shared-memory kernel's where a block holds whole rows.
   int partial_cluster = 1;
-  // Elements from one row of x to the next: cols, but for a strided view (BackwardArgs). Only where x has the
-  // input's dtype: any other x is the fused add's float32 residual stream, contiguous, whose kernels sit at their
-  // register cap (an argument more made ptxas spill two of them).
-  [[no_unique_address]] XRowStride<std::is_same_v<T, R>> x_rows;
+  // memory_efficient (BackwardArgs::from_output): x is the forward's output y, and xhat = y * inverse_weight
+  // (1 / (weight + offset); nullptr without a weight: xhat = y).
+  bool from_output = false;
+  const acc_t* inverse_weight = nullptr;
+  // Where each row of x starts: cols apart, but for a strided view (BackwardArgs). Only where x has the input's
+  // dtype: any other x is the fused add's float32 residual stream, contiguous, whose kernels sit at their register
+  // cap (an argument more made ptxas spill two of them).
+  [[no_unique_address]] XRowStarts<std::is_same_v<T, R>> x_rows;
 
-  TLN_DEVICE int64_t x_row_stride() const { return x_rows.stride(cols); }
+  TLN_DEVICE int64_t x_offset(int64_t row) const { return x_rows.offset(row, cols); }
 };
 
 // g = dy * weight (dy without weight), rounded to the input dtype under Llama-style rounding.
@@ -79,16 +85,37 @@ TLN_DEVICE void load_weight(const BackwardParams<T, W, acc_t, R>& p, int64_t i, 
   }
 }
 
-// Turns one vector of x into xhat and adds its terms to the row sums of g and g * xhat.
+// Turns one vector of the rows read into xhat: (x - mean) * rstd, or from the forward's output (memory_efficient)
+// y * inverse (the vector's 1 / (weight + offset)), y itself without a weight.
+template <int VEC, typename Params, typename acc_t>
+TLN_DEVICE void to_xhat(const Params& p, const acc_t (&inverse)[VEC], acc_t mean, acc_t rstd, acc_t (&x)[VEC]) {
+  if (p.from_output) {
+    if (p.inverse_weight == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) x[j] *= inverse[j];
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) x[j] = (x[j] - mean) * rstd;
+}
+
+// to_xhat for the vector at element offset i, its inverse weights read from global memory (L1) where needed.
+template <int VEC, typename Params, typename acc_t>
+TLN_DEVICE void to_xhat_at(const Params& p, int64_t i, acc_t mean, acc_t rstd, acc_t (&x)[VEC]) {
+  acc_t inverse[VEC] = {};
+  if (p.from_output && p.inverse_weight != nullptr) load_vec<VEC>(p.inverse_weight, i, inverse);
+  to_xhat(p, inverse, mean, rstd, x);
+}
+
+// Adds one vector's terms (xhat, dy, the weight w) to the row sums of g and g * xhat.
 template <typename T, int VEC, typename Params, typename acc_t>
-TLN_DEVICE void add_row_terms(const Params& p, acc_t mean, acc_t rstd, acc_t (&x)[VEC], const acc_t (&dy)[VEC],
-                              const acc_t (&w)[VEC], acc_t& sum_g, acc_t& sum_g_xhat) {
+TLN_DEVICE void add_row_terms(const Params& p, const acc_t (&xhat)[VEC], const acc_t (&dy)[VEC], const acc_t (&w)[VEC],
+                              acc_t& sum_g, acc_t& sum_g_xhat) {
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
-    x[j] = (x[j] - mean) * rstd;
     const acc_t g = weighted_grad<T>(p, dy[j], w[j]);
     sum_g += g;
-    sum_g_xhat += g * x[j];
+    sum_g_xhat += g * xhat[j];
   }
 }
 
@@ -195,7 +222,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
     if (layout.vector(k) < nvec) load_weight(p, layout.vector(k) * VEC, w[k]);
   }
   acc_t dweight[ITEMS][VEC] = {};
+  // LayerNorm's bias-gradient sums; from the output (memory_efficient, never with a bias) the inverse weights
+  // instead, read once: one more vector per xhat spilled the float32 kernels at their register cap.
   acc_t dbias[ITEMS][VEC] = {};
+  if (KIND == NormKind::LayerNorm && p.from_output && p.inverse_weight != nullptr) {
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (layout.vector(k) < nvec) load_vec<VEC>(p.inverse_weight, layout.vector(k) * VEC, dbias[k]);
+    }
+  }
   for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
     const int64_t row = tile + layout.row_in_block;
     const bool active = row < p.rows;
@@ -209,18 +244,24 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
       const bool in_row = active && layout.vector(k) < nvec;
       // float64 rows are bound by their arithmetic, and all their loads at once would spill: one branch each.
       if (sizeof(acc_t) == 8 && !in_row) continue;
-      to_acc(load_vec_if<VEC>(in_row, p.x, row * p.x_row_stride() + layout.vector(k) * VEC), xhat[k]);
+      to_acc(load_vec_if<VEC>(in_row, p.x, p.x_offset(row) + layout.vector(k) * VEC), xhat[k]);
       to_acc(load_vec_if<VEC>(in_row, p.dy, row * p.cols + layout.vector(k) * VEC), dy[k]);
     }
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (!active || layout.vector(k) >= nvec) continue;
-      add_row_terms<T>(p, mean, rstd, xhat[k], dy[k], w[k], sum_g, sum_g_xhat);
+      if constexpr (KIND == NormKind::LayerNorm) {
+        to_xhat(p, dbias[k], mean, rstd, xhat[k]);
+      } else {
+        to_xhat_at(p, layout.vector(k) * VEC, mean, rstd, xhat[k]);
+      }
+      add_row_terms<T>(p, xhat[k], dy[k], w[k], sum_g, sum_g_xhat);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         dweight[k][j] += p.rounding.template weight_term<T>(dy[k][j], xhat[k][j]);
-        if constexpr (KIND == NormKind::LayerNorm) dbias[k][j] += dy[k][j];  // RMSNorm has no bias
+        // RMSNorm has no bias, nor a LayerNorm from the output
+        if (KIND == NormKind::LayerNorm && !p.from_output) dbias[k][j] += dy[k][j];
       }
     }
     row_sum2(sum_g, sum_g_xhat, p.threads_per_row, smem);
@@ -273,10 +314,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
     acc_t xhat[VEC], dy[VEC], w[VEC];
     // One pass of the row: xhat, dy and the weight at element offset i, with the row sums' terms.
     auto load_row = [&](int64_t i, acc_t& sum_g, acc_t& sum_g_xhat) {
-      load_vec<VEC>(p.x + row * p.x_row_stride(), i, xhat);
+      load_vec<VEC>(p.x + p.x_offset(row), i, xhat);
       load_vec<VEC>(p.dy + row * p.cols, i, dy);
       load_weight(p, i, w);
-      add_row_terms<T>(p, mean, rstd, xhat, dy, w, sum_g, sum_g_xhat);
+      to_xhat_at(p, i, mean, rstd, xhat);
+      add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
     };
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) load_row(c * VEC, sum_g, sum_g_xhat);
@@ -383,8 +425,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice in dy
-    // and in x: the same offset but for a strided x of the input's dtype (the only kind, see x_row_stride)
-    const int64_t x_start = std::is_same_v<T, R> ? row * p.x_row_stride() + first * VEC : row_start;
+    // and in x: the same offset but for a strided x of the input's dtype (the only kind, see x_rows)
+    const int64_t x_start = std::is_same_v<T, R> ? p.x_offset(row) + first * VEC : row_start;
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
     for (int64_t base = dev::thread_x(); base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
       Vec<R, VEC> x_raw[kBackwardSharedUnroll];
@@ -406,7 +448,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         acc_t xhat[VEC], dy[VEC], w[VEC];
         row_vector(x_raw[k], dy_raw[k], xhat, dy);
         slice_weight(p, weight_slice, first, c, w);
-        add_row_terms<T>(p, mean, rstd, xhat, dy, w, sum_g, sum_g_xhat);
+        to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);
+        add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
         if (dweight) {
           acc_t dy_xhat[VEC];
 #pragma unroll
@@ -427,8 +470,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + x_start) + c),
                    dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
       }
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) xhat[j] = (xhat[j] - mean) * rstd;  // as add_row_terms computed it
+      to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);  // as the first pass computed it
       slice_weight(p, weight_slice, first, c, w);
       store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }

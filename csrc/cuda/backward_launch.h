@@ -56,10 +56,13 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                    0,
                                    data_or_null<R>(a.grad_residual_out),
                                    {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
-  if constexpr (std::is_same_v<T, R>) p.x_rows.value = a.x_row_stride;
+  if constexpr (std::is_same_v<T, R>) p.x_rows.strides = a.x_rows;
+  p.from_output = a.from_output;
+  p.inverse_weight = data_or_null<acc_t>(a.inverse_weight);
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight}) &&
+                      vectorizable<T, acc_t>(a.cols, {}, {p.inverse_weight}) &&
                       vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out}) &&
-                      a.x_row_stride % (kVectorBytes / static_cast<int64_t>(sizeof(R))) == 0;
+                      a.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(R)));
   const SharedRowSpace space = backward_shared_row_space<acc_t, T, R, W>(
       p.weight != nullptr, int{a.dweight.defined()} + int{a.dbias.defined()}, limits);
   RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t, R>::budget, space);

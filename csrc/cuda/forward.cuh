@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../norm_kind.h"
+#include "../row_strides.h"
 #include "launch_plan.h"
 #include "reduce.cuh"
 #include "rounding.cuh"
@@ -28,7 +29,7 @@ struct ForwardParams {
   bool staged_params;  // each block keeps the weight and bias (the shared-memory kernel: its slice) in shared memory
   int cluster_blocks;  // the shared-memory kernel: blocks a row is staged over (RowPlan::cluster_blocks)
   int64_t slice_vectors;
-  int64_t x_stride;  // elements from one row of x to the next (cols, but for a strided view: ForwardArgs)
+  RowStrides x_rows;  // where each row of x starts (cols apart, but for a strided view: ForwardArgs)
 };
 
 // With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
@@ -45,7 +46,7 @@ TLN_DEVICE void add_residual(const ForwardParams<T, W, acc_t, R>& p, int64_t row
 // The first read of one vector of a row (element offset i).
 template <int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
-  load_vec<VEC>(p.x + row * p.x_stride, i, v);
+  load_vec<VEC>(p.x + p.x_rows.offset(row), i, v);
   add_residual(p, row, i, v);
 }
 
@@ -60,7 +61,7 @@ TLN_DEVICE void keep_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, 
 template <int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void load_stored(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   if (p.residual == nullptr) {
-    load_vec<VEC>(p.x + row * p.x_stride, i, v);
+    load_vec<VEC>(p.x + p.x_rows.offset(row), i, v);
   } else {
     load_vec<VEC>(p.residual_out + row * p.cols, i, v);
   }
@@ -214,7 +215,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     Vec<T, VEC> raw[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, p.x, row * p.x_stride + layout.vector(k) * VEC);
+      raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, p.x, p.x_rows.offset(row) + layout.vector(k) * VEC);
     }
     acc_t v[ITEMS][VEC];
     acc_t sum = acc_t(0);
@@ -324,7 +325,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   if (p.staged_params) params.fill(p, count);
   ClusterSum2<acc_t> cluster_sum2{partials, cluster};
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
-    const int64_t x_start = row * p.x_stride + first * VEC;  // element offset of the slice in x
+    const int64_t x_start = p.x_rows.offset(row) + first * VEC;  // element offset of the slice in x
     acc_t sum = acc_t(0);
     for (int64_t base = dev::thread_x(); base < count; base += int64_t{kSharedRowUnroll} * threads) {
       Vec<T, VEC> raw[kSharedRowUnroll];

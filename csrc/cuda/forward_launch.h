@@ -36,11 +36,11 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   false,
                                   0,
                                   0,
-                                  a.x_row_stride};
-  // A strided x is read in 16-byte vectors where its rows start 16-byte aligned, as its base does.
+                                  a.x_rows};
+  // A strided x is read in 16-byte vectors where every row starts 16-byte aligned, as its base does.
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out}) &&
-                      a.x_row_stride % (kVectorBytes / static_cast<int64_t>(sizeof(T))) == 0;
+                      a.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(T)));
   RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget,
                            forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits));
   p.threads_per_row = plan.threads_per_row;

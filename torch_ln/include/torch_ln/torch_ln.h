@@ -53,32 +53,35 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm(
 
 // The operator torch_ln::layer_norm_fwd: (output, mean, rstd), statistics in float32 (float64 for float64
 // input) with the input's batch dimensions and a 1 for each normalized dimension, as aten::native_layer_norm.
-TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& input,
-                                                                           at::IntArrayRef normalized_shape,
-                                                                           const std::optional<at::Tensor>& weight,
-                                                                           const std::optional<at::Tensor>& bias,
-                                                                           double eps, double weight_offset = 0);
+// memory_efficient changes no result: it tells the operator's Python autograd to save the output (see the README).
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
+    const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, double weight_offset = 0, bool memory_efficient = false);
 
 // The operator torch_ln::layer_norm_bwd: (grad_input, grad_weight, grad_bias) from layer_norm_fwd's statistics.
-// A gradient not asked for in output_mask (or without its parameter) comes back as an empty tensor.
+// A gradient not asked for in output_mask (or without its parameter) comes back as an empty tensor. from_output:
+// `input` is the forward's output y, from which the normalized input is recovered as (y - bias) / (weight +
+// weight_offset) (every weight + weight_offset nonzero, else an error).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape, const at::Tensor& mean,
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    std::array<bool, 3> output_mask, double weight_offset = 0);
+    std::array<bool, 3> output_mask, double weight_offset = 0, bool from_output = false);
 
 // The operator torch_ln::rms_norm_fwd: (output, rstd). weight_offset and round_normalized reproduce other
 // libraries' rounding (see the README: Gemma's 1 + weight, Llama's rounding before the weight product).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                              const std::optional<at::Tensor>& weight,
                                                              std::optional<double> eps, double weight_offset = 0,
-                                                             bool round_normalized = false);
+                                                             bool round_normalized = false,
+                                                             bool memory_efficient = false);
 
-// The operator torch_ln::rms_norm_bwd: (grad_input, grad_weight), as layer_norm_bwd.
+// The operator torch_ln::rms_norm_bwd: (grad_input, grad_weight), as layer_norm_bwd (from_output: y / (weight +
+// weight_offset)).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                              at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                              const std::optional<at::Tensor>& weight,
                                                              std::array<bool, 2> output_mask, double weight_offset = 0,
-                                                             bool round_normalized = false);
+                                                             bool round_normalized = false, bool from_output = false);
 
 // The operator torch_ln::add_layer_norm_fwd: (output, residual_out, mean, rstd).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
