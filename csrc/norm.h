@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "norm_kind.h"
+#include "quantize.h"
 #include "row_strides.h"
 
 namespace torch_ln {
@@ -27,6 +28,14 @@ struct RoundingOptions {
 // weight and bias are [D] contiguous or undefined; mean and rstd are [M] contiguous in the accumulation dtype (mean
 // is undefined for RMSNorm). With a residual ([M, D] contiguous, of residual_out's dtype; x then contiguous too),
 // the norm is of residual_out = x + residual, which the kernels write; otherwise both are undefined.
+// The *_quant operators' output: q ([M, D] contiguous, 1 byte an element) = y quantized as `spec` says, with the
+// scales: the given float32 one (one element) or, dynamic, where the kernels write them (float32 [M, D / group] in
+// the layout of spec's strides).
+struct QuantArgs {
+  at::Tensor q, scales;
+  QuantSpec spec;
+};
+
 struct ForwardArgs {
   at::Tensor x, weight, bias;
   double eps;
@@ -35,6 +44,9 @@ struct ForwardArgs {
   at::Tensor residual, residual_out;
   RoundingOptions rounding;
   RowStrides x_rows;
+  // With quant.q defined, y is also quantized into quant.q; y itself may then be undefined (not asked for: the CPU
+  // kernels keep each row in a per-thread buffer, the CUDA kernels in a temporary).
+  QuantArgs quant = {};
 };
 
 // Arguments of one backward call. dy is [M, D] contiguous; x is read as in ForwardArgs (x_rows); mean/rstd

@@ -154,6 +154,8 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t) {
 
 at::Tensor unrequested_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
 
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : unrequested_grad(like); }
+
 std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols) {
   const auto copy = [&] { return std::pair{input.contiguous(), RowStrides{cols}}; };
   // Each row's elements contiguous: the normalized dimensions, size-1 ones aside, strided as a contiguous block.
@@ -180,7 +182,72 @@ std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t 
   }
   if (depth == 0) return {input, RowStrides{cols}};
   if (depth == 1) return {input, RowStrides{levels[0].second}};
+  if (cols > 0 && input.numel() / cols > std::numeric_limits<uint32_t>::max())
+    return copy();  // RowStrides: 32-bit row indices
   return {input, RowStrides{levels[0].second, levels[0].first, levels[1].second}};
+}
+
+QuantArgs prepare_quant(const char* op, const QuantRequest& request, const at::Tensor& input, int64_t axis,
+                        int64_t rows, int64_t cols) {
+  QuantArgs out;
+  QuantSpec& spec = out.spec;
+  switch (request.out_dtype) {
+    case at::kFloat8_e4m3fn:
+      spec.format = QuantFormat::Float8E4M3;
+      break;
+    case at::kFloat8_e5m2:
+      spec.format = QuantFormat::Float8E5M2;
+      break;
+    case at::kChar:
+      spec.format = QuantFormat::Int8;
+      break;
+    default:
+      TORCH_CHECK_TYPE(false, "torch_ln.", op,
+                       ": expected out_dtype torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8, but got out_dtype=",
+                       request.out_dtype);
+  }
+  out.q =
+      at::empty(input.sizes(), input.options().dtype(request.out_dtype).memory_format(at::MemoryFormat::Contiguous));
+  spec.dynamic = !request.scale.has_value();
+  if (!spec.dynamic) {
+    const at::Tensor& scale = *request.scale;
+    TORCH_CHECK_VALUE(
+        !request.group_size.has_value(), "torch_ln.", op,
+        ": expected either scale (a static scale) or group_size (dynamic per-group scales), but got both");
+    TORCH_CHECK_VALUE(!request.scale_ub.has_value() && !request.scale_ue8m0 && !request.scales_column_major,
+                      "torch_ln.", op,
+                      ": scale_ub, scale_ue8m0 and scales_column_major apply to dynamic scales, but a static scale "
+                      "was given");
+    TORCH_CHECK_VALUE(scale.numel() == 1, "torch_ln.", op,
+                      ": expected scale to have one element (a per-tensor scale), but got scale.shape=", scale.sizes());
+    TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "torch_ln.", op,
+                     ": expected scale of dtype float32, but got scale.dtype=", scale.scalar_type());
+    TORCH_CHECK_VALUE(scale.device() == input.device(), "torch_ln.", op, ": expected scale on the input's device (",
+                      input.device(), "), but got scale.device=", scale.device());
+    out.scales = scale.reshape({1}).contiguous();
+    return out;
+  }
+  spec.group = request.group_size.value_or(cols);
+  TORCH_CHECK_VALUE(spec.group > 0 && cols % spec.group == 0, "torch_ln.", op,
+                    ": expected group_size to be a positive divisor of the normalized size ", cols,
+                    ", but got group_size=", spec.group);
+  if (request.scale_ub.has_value()) {
+    TORCH_CHECK_VALUE(*request.scale_ub > 0, "torch_ln.", op,
+                      ": expected scale_ub > 0, but got scale_ub=", *request.scale_ub);
+    spec.scale_ub = static_cast<float>(*request.scale_ub);
+  }
+  spec.ue8m0 = request.scale_ue8m0;
+  const int64_t groups = cols / spec.group;
+  const auto scale_opts = input.options().dtype(at::kFloat);
+  // Column-major: each group's scales for all rows contiguous ([groups, M] transposed), as DeepGEMM-style GEMMs read.
+  const at::Tensor flat =
+      request.scales_column_major ? at::empty({groups, rows}, scale_opts).t() : at::empty({rows, groups}, scale_opts);
+  spec.scale_row_stride = flat.stride(0);
+  spec.scale_group_stride = flat.stride(1);
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().begin() + axis);
+  shape.push_back(groups);
+  out.scales = flat.view(shape);
+  return out;
 }
 
 at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& options) {
@@ -232,6 +299,31 @@ void define_norm_schemas(torch::Library& m) {
       " Tensor rstd, Tensor? weight, bool[2] output_mask, float weight_offset=0., bool round_normalized=False)"
       " -> (Tensor, Tensor)",
       tags);
+  // Norms with a quantized output, inference only (no autograd): q = y quantized to out_dtype (float8_e4m3fn,
+  // float8_e5m2, int8) with a static scale (`scale`, one float32 element), or dynamic scales per token (neither
+  // scale nor group_size) or per group of group_size elements. Returns (q, scales, y) (+ residual_out after a
+  // residual add): scales empty for a static scale, y empty unless return_unquantized. See QuantSpec.
+  const std::string quant_args =
+      " ScalarType out_dtype, Tensor? scale=None, int? group_size=None, float? scale_ub=None, bool scale_ue8m0=False,"
+      " bool scales_column_major=False, bool return_unquantized=False";
+  m.def(("rms_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, float? eps," + quant_args +
+         ", float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor, Tensor)")
+            .c_str(),
+        tags);
+  m.def(("layer_norm_quant(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps," +
+         quant_args + ", float weight_offset=0.) -> (Tensor, Tensor, Tensor)")
+            .c_str(),
+        tags);
+  m.def(("add_rms_norm_quant(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight, float? eps,"
+         " ScalarType? residual_dtype," +
+         quant_args + ", float weight_offset=0., bool round_normalized=False) -> (Tensor, Tensor, Tensor, Tensor)")
+            .c_str(),
+        tags);
+  m.def(("add_layer_norm_quant(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight,"
+         " Tensor? bias, float eps, ScalarType? residual_dtype," +
+         quant_args + ", float weight_offset=0.) -> (Tensor, Tensor, Tensor, Tensor)")
+            .c_str(),
+        tags);
 }
 
 }  // namespace torch_ln

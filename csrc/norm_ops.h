@@ -54,6 +54,8 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t);
 // Gradients nobody asked for come back as empty tensors (custom operators
 // cannot return None); the Python layer maps them to None.
 at::Tensor unrequested_grad(const at::Tensor& like);
+// An output a call did not produce, for the same reason: `t` where defined, else an empty tensor like `like`.
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like);
 
 // The rows of `input` (normalized from dimension `axis` on, `cols` elements a row) as the kernels read them: the
 // input itself where each row's elements are contiguous and its leading dimensions, flattened, are at most two
@@ -76,14 +78,34 @@ struct ResidualAdd {
   std::optional<at::ScalarType> residual_dtype;
 };
 
-// One forward call of either kind, with or without a residual add: checks, allocates, runs the kernels. Returns
-// (y, residual_out, mean, rstd) with the statistics in aten's shape; mean is undefined for RMSNorm, residual_out
-// without a residual.
+// The *_quant operators' request: the output format and how its scales come (QuantSpec).
+struct QuantRequest {
+  at::ScalarType out_dtype;
+  const std::optional<at::Tensor>& scale;  // static: the one given scale
+  std::optional<int64_t> group_size;       // dynamic per group; neither: dynamic per token
+  std::optional<double> scale_ub;
+  bool scale_ue8m0, scales_column_major, return_unquantized;
+};
+
+// Checks a request against the input (named arguments in the errors) and allocates q and, dynamic, the scales (in
+// the input's leading shape, then one per group: [..., D / group], in the layout asked for).
+QuantArgs prepare_quant(const char* op, const QuantRequest& request, const at::Tensor& input, int64_t axis,
+                        int64_t rows, int64_t cols);
+
+// What one forward call returns: the statistics in aten's shape (mean undefined for RMSNorm), residual_out with a
+// residual add, q and the scales with a quantized output (the scales undefined for a static one), y unless only
+// the quantized output was asked for.
+struct ForwardOutputs {
+  at::Tensor y, residual_out, mean, rstd, q, scales;
+};
+
+// One forward call of either kind, with or without a residual add, with or without a quantized output: checks,
+// allocates, runs the kernels.
 template <typename Backend>
-std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::Tensor& input,
-                                      at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-                                      const std::optional<at::Tensor>& bias, double eps, RoundingOptions rounding,
-                                      const std::optional<ResidualAdd>& add = std::nullopt) {
+ForwardOutputs run_forward(NormKind kind, const char* op, const at::Tensor& input, at::IntArrayRef normalized_shape,
+                           const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+                           RoundingOptions rounding, const std::optional<ResidualAdd>& add = std::nullopt,
+                           const QuantRequest* quant = nullptr) {
   const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
   check_rounding(op, rounding, weight);
   at::Tensor residual, residual_out;
@@ -94,15 +116,18 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
     residual = add->residual.to(stream).contiguous();
     residual_out = Backend::kernels.empty_rows(input.sizes(), input.options().dtype(stream));
   }
+  QuantArgs quantized;
+  if (quant != nullptr) quantized = prepare_quant(op, *quant, input, s.axis, s.rows, s.cols);
   // The fused add reads x beside the contiguous residual: contiguous too.
   const auto [x, x_rows] =
       add.has_value() ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
+  const bool want_y = quant == nullptr || quant->return_unquantized;
   ForwardArgs a{x,
                 contiguous_or_undefined(weight),
                 contiguous_or_undefined(bias),
                 eps,
-                Backend::kernels.empty_rows(input.sizes(), input.options()),
+                want_y ? Backend::kernels.empty_rows(input.sizes(), input.options()) : at::Tensor(),
                 kind == NormKind::LayerNorm ? at::empty({s.rows}, stat_opts) : at::Tensor(),
                 at::empty({s.rows}, stat_opts),
                 s.rows,
@@ -110,10 +135,16 @@ std::array<at::Tensor, 4> run_forward(NormKind kind, const char* op, const at::T
                 residual,
                 residual_out,
                 rounding,
-                x_rows};
+                x_rows,
+                quantized};
   if (s.rows > 0) Backend::kernels.forward(kind, a);
   const auto stat_shape = statistics_shape(input, s.axis);
-  return {a.y, residual_out, a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(), a.rstd.view(stat_shape)};
+  return {a.y,
+          residual_out,
+          a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(),
+          a.rstd.view(stat_shape),
+          quantized.q,
+          quantized.spec.dynamic ? quantized.scales : at::Tensor()};
 }
 
 // One backward call of either kind. After a residual add (`fused`), `input` is residual_out, which may have a wider
@@ -184,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& 
   if (memory_efficient) check_memory_efficient("layer_norm", bias);
   const auto out = run_forward<Backend>(NormKind::LayerNorm, "layer_norm", input, normalized_shape, weight, bias, eps,
                                         {weight_offset, false});
-  return {out[0], out[2], out[3]};
+  return {out.y, out.mean, out.rstd};
 }
 
 template <typename Backend>
@@ -206,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& input, at::Int
   const auto out =
       run_forward<Backend>(NormKind::RMSNorm, "rms_norm", input, normalized_shape, weight, std::nullopt,
                            eps.value_or(default_rms_eps(input.scalar_type())), {weight_offset, round_normalized});
-  return {out[0], out[3]};
+  return {out.y, out.rstd};
 }
 
 template <typename Backend>
@@ -231,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
     std::optional<at::ScalarType> residual_dtype, double weight_offset) {
   const auto out = run_forward<Backend>(NormKind::LayerNorm, "add_layer_norm", input, normalized_shape, weight, bias,
                                         eps, {weight_offset, false}, ResidualAdd{residual, residual_dtype});
-  return {out[0], out[1], out[2], out[3]};
+  return {out.y, out.residual_out, out.mean, out.rstd};
 }
 
 template <typename Backend>
@@ -256,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_fwd(const at::Tensor
   const auto out = run_forward<Backend>(NormKind::RMSNorm, "add_rms_norm", input, normalized_shape, weight,
                                         std::nullopt, eps.value_or(default_rms_eps(input.scalar_type())),
                                         {weight_offset, round_normalized}, ResidualAdd{residual, residual_dtype});
-  return {out[0], out[1], out[3]};
+  return {out.y, out.residual_out, out.rstd};
 }
 
 template <typename Backend>
@@ -273,6 +304,66 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& grad_out,
   return {grads[0], grads[1]};
 }
 
+// The quantized forms (inference only): (q, scales, y) and, after a residual add, residual_out; the scales are an
+// empty tensor for a static scale (the Python layer returns the given one), y one unless return_unquantized.
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_quant(
+    const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+    std::optional<double> eps, at::ScalarType out_dtype, const std::optional<at::Tensor>& scale,
+    std::optional<int64_t> group_size, std::optional<double> scale_ub, bool scale_ue8m0, bool scales_column_major,
+    bool return_unquantized, double weight_offset, bool round_normalized) {
+  const QuantRequest quant{out_dtype,         scale, group_size, scale_ub, scale_ue8m0, scales_column_major,
+                           return_unquantized};
+  const auto out = run_forward<Backend>(NormKind::RMSNorm, "rms_norm_quant", input, normalized_shape, weight,
+                                        std::nullopt, eps.value_or(default_rms_eps(input.scalar_type())),
+                                        {weight_offset, round_normalized}, std::nullopt, &quant);
+  return {out.q, or_empty(out.scales, input), or_empty(out.y, input)};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_quant(
+    const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, at::ScalarType out_dtype, const std::optional<at::Tensor>& scale,
+    std::optional<int64_t> group_size, std::optional<double> scale_ub, bool scale_ue8m0, bool scales_column_major,
+    bool return_unquantized, double weight_offset) {
+  const QuantRequest quant{out_dtype,         scale, group_size, scale_ub, scale_ue8m0, scales_column_major,
+                           return_unquantized};
+  const auto out = run_forward<Backend>(NormKind::LayerNorm, "layer_norm_quant", input, normalized_shape, weight, bias,
+                                        eps, {weight_offset, false}, std::nullopt, &quant);
+  return {out.q, or_empty(out.scales, input), or_empty(out.y, input)};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_quant(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps, std::optional<at::ScalarType> residual_dtype,
+    at::ScalarType out_dtype, const std::optional<at::Tensor>& scale, std::optional<int64_t> group_size,
+    std::optional<double> scale_ub, bool scale_ue8m0, bool scales_column_major, bool return_unquantized,
+    double weight_offset, bool round_normalized) {
+  const QuantRequest quant{out_dtype,         scale, group_size, scale_ub, scale_ue8m0, scales_column_major,
+                           return_unquantized};
+  const auto out =
+      run_forward<Backend>(NormKind::RMSNorm, "add_rms_norm_quant", input, normalized_shape, weight, std::nullopt,
+                           eps.value_or(default_rms_eps(input.scalar_type())), {weight_offset, round_normalized},
+                           ResidualAdd{residual, residual_dtype}, &quant);
+  return {out.q, or_empty(out.scales, input), or_empty(out.y, input), out.residual_out};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_quant(
+    const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    std::optional<at::ScalarType> residual_dtype, at::ScalarType out_dtype, const std::optional<at::Tensor>& scale,
+    std::optional<int64_t> group_size, std::optional<double> scale_ub, bool scale_ue8m0, bool scales_column_major,
+    bool return_unquantized, double weight_offset) {
+  const QuantRequest quant{out_dtype,         scale, group_size, scale_ub, scale_ue8m0, scales_column_major,
+                           return_unquantized};
+  const auto out =
+      run_forward<Backend>(NormKind::LayerNorm, "add_layer_norm_quant", input, normalized_shape, weight, bias, eps,
+                           {weight_offset, false}, ResidualAdd{residual, residual_dtype}, &quant);
+  return {out.q, or_empty(out.scales, input), or_empty(out.y, input), out.residual_out};
+}
+
 // Registers the operators of one backend under `m` (a TORCH_LIBRARY_IMPL
 // block for the backend's dispatch key).
 template <typename Backend>
@@ -285,6 +376,10 @@ void register_norm_ops(torch::Library& m) {
   m.impl("add_layer_norm_bwd", &add_layer_norm_bwd<Backend>);
   m.impl("add_rms_norm_fwd", &add_rms_norm_fwd<Backend>);
   m.impl("add_rms_norm_bwd", &add_rms_norm_bwd<Backend>);
+  m.impl("rms_norm_quant", &rms_norm_quant<Backend>);
+  m.impl("layer_norm_quant", &layer_norm_quant<Backend>);
+  m.impl("add_rms_norm_quant", &add_rms_norm_quant<Backend>);
+  m.impl("add_layer_norm_quant", &add_layer_norm_quant<Backend>);
 }
 
 }  // namespace torch_ln

@@ -164,6 +164,14 @@ if wants bench; then
   timeout 60 python3 benchmarks/bench_memory_efficient.py --device cuda --dtype bfloat16 --quick --batch 8 \
     --seq 1024 --hidden 2048 --out "$WORK/bench/memory_efficient" > "$WORK/bench_memory_efficient.txt" 2>&1
   note "bench_memory_efficient exit: $?"
+  # Quantized outputs (issue 37): the fused op against torch's norm + quantization, eager and compiled, and the
+  # README's fp8 linear (torch._scaled_mm fed by add_rms_norm_quant) on the GPU.
+  step "quantized-output norms (bench_quant.py, bfloat16 -> float8_e4m3fn; the _scaled_mm example)"
+  timeout 90 python3 benchmarks/bench_quant.py --device cuda --dtypes bfloat16 --quick --rows 8192 --cols 4096 8192 \
+    --out "$WORK/bench/quant" > "$WORK/bench_quant.txt" 2>&1
+  note "bench_quant exit: $?"
+  timeout 60 python3 -m pytest tests/test_quant.py -q -k "scaled_mm or scale_on_another_device" > "$WORK/quant_gpu.txt" 2>&1
+  note "quant GPU tests exit: $?"
   pack
   step "kernel model: measured beside predicted (the benchmark's cases)"
   timeout 90 python3 benchmarks/kernel_model.py --compare "$WORK"/bench/{layer,rms}_norm_cuda.csv \

@@ -116,3 +116,30 @@ def test_memory_efficient_benchmark(tmp_path):
         assert float(row["step_ms"]) > 0 and float(row["norm_bwd_ms"]) > 0, row
         if row["option"] == "memory_efficient":
             assert float(row["saved_vs_plain"]) < 1, row
+
+
+def test_quant_benchmark(tmp_path):
+    # benchmarks/bench_quant.py at a tiny size: every op and scale mode, the fused op's codes at most one step from
+    # the two-step's (its y is torch's, rounded otherwise).
+    args = [
+        "--device",
+        "cpu",
+        "--quick",
+        "--rows",
+        "8",
+        "--cols",
+        "256",
+        "--dtypes",
+        "float32",
+        "--providers",
+        "torch_ln",
+    ]
+    rows = _run("bench_quant.py", args, tmp_path)
+    assert {(r["op"], r["mode"], r["provider"]) for r in rows} == {
+        (op, mode, provider)
+        for op in ("rms_norm", "add_rms_norm", "layer_norm")
+        for mode in ("static", "per_token", "per_group_128")
+        for provider in ("torch_ln", "torch")
+    }
+    for row in rows:
+        assert float(row["ms"]) > 0 and int(row["codes_apart_vs_torch"]) <= 1, row

@@ -4,7 +4,8 @@ Entry points: :func:`layer_norm`, :func:`rms_norm` (functional), :class:`LayerNo
 :class:`RMSNorm` (drop-ins for the torch.nn modules), :func:`replace_norms` (also for transformers' and
 timm's norm classes, see :mod:`torch_ln.integrations`) and :func:`register_norm`; the fused residual
 add + norm of pre-norm transformers: :func:`add_layer_norm`, :func:`add_rms_norm`, :class:`AddLayerNorm`,
-:class:`AddRMSNorm`; QK-norm on a packed QKV projection, read in place: :func:`qk_rms_norm`;
+:class:`AddRMSNorm`; norms with an fp8/int8 output for quantized inference: :func:`rms_norm_quant` and the others
+(:mod:`torch_ln.quant`); QK-norm on a packed QKV projection, read in place: :func:`qk_rms_norm`;
 :mod:`torch_ln.compile`, a torch.compile backend that rewrites a model's norms (inline, torch's, and
 the adds before them) to these operators without swapping modules; for C++, :func:`cmake_prefix_path`
 (find_package(torch_ln) gives the target torch_ln::torch_ln).
@@ -41,6 +42,15 @@ from torch_ln.ops import (
     qk_rms_norm,
     rms_norm,
 )
+from torch_ln.quant import (
+    LayerNormQuant,
+    QuantizedNorm,
+    RMSNormQuant,
+    add_layer_norm_quant,
+    add_rms_norm_quant,
+    layer_norm_quant,
+    rms_norm_quant,
+)
 
 
 class _RegisterShardingAfterDTensorLoads(importlib.abc.MetaPathFinder):
@@ -71,18 +81,25 @@ __all__ = [
     "AddLayerNorm",
     "AddRMSNorm",
     "LayerNorm",
+    "LayerNormQuant",
+    "QuantizedNorm",
     "RMSNorm",
+    "RMSNormQuant",
     "add_layer_norm",
+    "add_layer_norm_quant",
     "add_rms_norm",
+    "add_rms_norm_quant",
     "cmake_prefix_path",
     "compile",
     "empty_output_cache",
     "forward_converter",
     "integrations",
     "layer_norm",
+    "layer_norm_quant",
     "output_cache_bytes",
     "qk_rms_norm",
     "register_norm",
     "replace_norms",
     "rms_norm",
+    "rms_norm_quant",
 ]

@@ -144,3 +144,58 @@ def add_norm(
     dtype = residual_dtype or x.dtype
     residual_out = x.to(dtype) + residual.to(dtype)
     return norm(residual_out, *args).to(x.dtype), residual_out
+
+
+# Quantized outputs (torch_ln.rms_norm_quant and the others), written as vLLM's reference kernels compute them:
+# the norm, then scale, saturate, cast. The kernels match quantize() bit for bit given the same y.
+
+QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+
+
+def min_dynamic_scale(out_dtype: torch.dtype) -> float:
+    """The floor of a dynamic scale, vLLM's 1 / (qmax * 512): an all-zero group does not divide by zero."""
+    return float(torch.tensor(1.0 / (QUANT_MAX[out_dtype] * 512.0), dtype=torch.float32))
+
+
+def power_of_two_ceil(scale: Tensor) -> Tensor:
+    """Each (positive) scale rounded up to a power of two, exactly (frexp, not log2: log2 rounds 2^k * (1 + 2^-23)
+    to k); inf and NaN unchanged."""
+    mantissa, exponent = torch.frexp(scale)
+    rounded = torch.ldexp(torch.ones_like(scale), exponent)
+    return torch.where(torch.isfinite(scale) & (mantissa != 0.5), rounded, scale)
+
+
+def quantize(
+    y: Tensor,
+    normalized_ndim: int,
+    out_dtype: torch.dtype,
+    scale: Tensor | None = None,
+    group_size: int | None = None,
+    scale_ub: float | None = None,
+    scale_ue8m0: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(q, scales) of y: q = cast(clamp(y * (1 / scale), -qmax, qmax)) with the float32 reciprocal of each scale;
+    int8 rounds half to even and maps NaN to 0. A static `scale` (one float32 element) is returned as given; dynamic
+    scales are max(min(amax, scale_ub) / qmax, min_dynamic_scale) per group of group_size elements of the flattened
+    normalized dims (the whole row without group_size), optionally rounded up to a power of two, shaped
+    [*leading dims, groups]. A NaN in a group makes its amax and scale NaN (as torch.amax)."""
+    qmax = QUANT_MAX[out_dtype]
+    lead = y.shape[: y.dim() - normalized_ndim]
+    rows = y.reshape(*lead, -1).float()
+    if scale is not None:
+        scales = scale.reshape(1)
+        scaled = rows * torch.reciprocal(scales)
+    else:
+        group = group_size or rows.shape[-1]
+        groups = rows.unflatten(-1, (-1, group))
+        amax = groups.abs().amax(-1)
+        if scale_ub is not None:
+            amax = torch.clamp(amax, max=torch.tensor(scale_ub, dtype=torch.float32))
+        scales = torch.clamp(amax / qmax, min=min_dynamic_scale(out_dtype))
+        if scale_ue8m0:
+            scales = power_of_two_ceil(scales)
+        scaled = (groups * torch.reciprocal(scales).unsqueeze(-1)).flatten(-2)
+    clamped = torch.clamp(scaled, -qmax, qmax)
+    if out_dtype == torch.int8:
+        clamped = torch.where(torch.isnan(clamped), 0.0, torch.round(clamped))
+    return clamped.to(out_dtype).reshape(y.shape), scales

@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -59,6 +60,8 @@
 
 #define TORCH_LN_CPU_KERNELS
 #include "row_steps.h"
+// after row_steps.h, whose steps it uses
+#include "quantize_row.h"
 
 namespace torch_ln {
 namespace {
@@ -85,8 +88,9 @@ constexpr int64_t kTwoPassRowBytes = 512 * 1024;
 constexpr int64_t kPrefetchRowBytes = 32 * 1024;
 
 // What a thread keeps in a ThreadRow: the row being normalized (InputRow::kept), the weight and the bias as acc_t; the
-// backward's partial weight/bias gradient rows.
-enum class RowUse { kKept, kWeight, kBias, kPartials };
+// backward's partial weight/bias gradient rows; the quantized forward's y row where y itself is not asked for
+// (kQuantized).
+enum class RowUse { kKept, kWeight, kBias, kPartials, kQuantized };
 
 // A per-thread row of n values of type E, uninitialized, for one RowUse. Rows up to kReusedBytes reuse one buffer per
 // thread and use for the life of the thread (virtual memory until touched): allocating (and zero-filling) one per call
@@ -285,11 +289,13 @@ struct NormCpu {
     const RowStrides x_rows = a.x_rows;  // D apart, but for a strided view (never with a residual)
     const R* residual = HasRes ? a.residual.const_data_ptr<R>() : nullptr;
     R* h = HasRes ? a.residual_out.mutable_data_ptr<R>() : nullptr;
-    T* y = a.y.mutable_data_ptr<T>();
+    T* y = a.y.defined() ? a.y.mutable_data_ptr<T>() : nullptr;  // undefined: only the quantized y asked for
     A* mean = kCentered ? a.mean.mutable_data_ptr<A>() : nullptr;
     A* rstd = a.rstd.mutable_data_ptr<A>();
     const A eps = static_cast<A>(a.eps);
-    const bool streaming = use_streaming_stores(a.x.nbytes() + a.y.nbytes() +
+    const std::optional<RowQuantizer<A>> quantize =
+        a.quant.q.defined() ? std::optional<RowQuantizer<A>>(a.quant) : std::nullopt;
+    const bool streaming = use_streaming_stores(a.x.nbytes() + (y != nullptr ? a.y.nbytes() : a.quant.q.nbytes()) +
                                                 (HasRes ? a.residual.nbytes() + a.residual_out.nbytes() : 0));
     const bool round = a.rounding.round_normalized;
     const bool prefetch = D * static_cast<int64_t>(sizeof(T) + (HasRes ? sizeof(R) : 0)) <= kPrefetchRowBytes;
@@ -307,6 +313,7 @@ struct NormCpu {
       const bool widen = widens_params(end - begin, offset);
       const ThreadRow<A, RowUse::kWeight> weight_row(HasW && converts_param(offset) && !widen ? D : 0);
       const ThreadRow<A, RowUse::kBias> bias_row(HasB && converts_param(0) && !widen ? D : 0);
+      const ThreadRow<T, RowUse::kQuantized> quantized_row(y == nullptr ? D : 0);
       // The task's rows, with the weight and bias read through pointers of type P (W widened, or acc_t).
       const auto normalize_rows = [&](const auto* w, const auto* b) {
         for (const auto r : c10::irange(begin, end)) {
@@ -316,8 +323,11 @@ struct NormCpu {
                                     kept(r),
                                     streaming,
                                     r + 1 < end && prefetch ? x_rows.offset(r + 1) - x_rows.offset(r) : 0};
-          forward_row<HasW, HasB>(in, y + r * D, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r], streaming,
-                                  round);
+          // Quantized, y is read back from cache at once: written through the cache, not streamed past it.
+          T* const y_row = y != nullptr ? y + r * D : quantized_row.data();
+          forward_row<HasW, HasB>(in, y_row, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r],
+                                  streaming && !quantize.has_value(), round);
+          if (quantize.has_value()) (*quantize)(y_row, r, D);
         }
       };
       if (widen) {

@@ -237,6 +237,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     acc_t xhat[ITEMS][VEC], dy[ITEMS][VEC];
+    const R* x_row = p.x + p.x_offset(row);
     // Every load of the row is issued before the first use: predicated loads in straight-line code (no branch
     // per vector), so the loads are in flight together.
 #pragma unroll
@@ -244,7 +245,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
       const bool in_row = active && layout.vector(k) < nvec;
       // float64 rows are bound by their arithmetic, and all their loads at once would spill: one branch each.
       if (sizeof(acc_t) == 8 && !in_row) continue;
-      to_acc(load_vec_if<VEC>(in_row, p.x, p.x_offset(row) + layout.vector(k) * VEC), xhat[k]);
+      to_acc(load_vec_if<VEC>(in_row, x_row, layout.vector(k) * VEC), xhat[k]);
       to_acc(load_vec_if<VEC>(in_row, p.dy, row * p.cols + layout.vector(k) * VEC), dy[k]);
     }
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);

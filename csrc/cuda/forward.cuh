@@ -213,9 +213,10 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
     // converted after. (A residual is read vector by vector as it is added: float32 rows would spill holding
     // both x and the residual as stored.)
     Vec<T, VEC> raw[ITEMS];
+    const T* x_row = p.x + p.x_rows.offset(row);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, p.x, p.x_rows.offset(row) + layout.vector(k) * VEC);
+      raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, x_row, layout.vector(k) * VEC);
     }
     acc_t v[ITEMS][VEC];
     acc_t sum = acc_t(0);

@@ -1,8 +1,11 @@
 // Host side of the forward kernels: plan, pick the template instance, launch.
 #pragma once
 
+#include <ATen/Dispatch.h>
+
 #include "forward.cuh"
 #include "launch_common.h"
+#include "quantize.cuh"
 
 namespace torch_ln {
 
@@ -77,10 +80,20 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   });
 }
 
-inline void launch_norm_forward(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
+// The forward kernel, then with a quantized output the quantize kernel over y (a temporary where y is not asked for).
+inline void launch_norm_forward(NormKind kind, const ForwardArgs& args, const DeviceLimits& limits,
+                                dev::Stream stream) {
+  ForwardArgs a = args;
+  const bool quantized = a.quant.q.defined();
+  if (quantized && !a.y.defined())
+    a.y = at::empty({a.rows, a.cols}, a.x.options().memory_format(at::MemoryFormat::Contiguous));
   const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
   dispatch_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), rows,
                   [&](auto types) { launch_forward_typed<decltype(types)>(kind, a, limits, stream); });
+  if (!quantized) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.y.scalar_type(), "torch_ln quantize", [&] {
+    launch_quantize_rows<scalar_t>(a.y, a.quant, a.rows, a.cols, limits, stream);
+  });
 }
 
 }  // namespace torch_ln

@@ -1085,3 +1085,78 @@ def test_backward_from_output(kind, dtype, affine, rows, cols):
         # weight + 1 away from 0 (N(0, 1) draws hold -1 exactly in bfloat16: refused, test_memory_efficient.py)
         shifted = (weight.double().abs() - 0.5).to(dtype)
         _check_against_torch(kind, x, shifted, bias, dy, from_output=True, weight_offset=1.0)
+
+
+# Quantized outputs (issue 37): the forward kernel writes y (a temporary unless return_unquantized), then the
+# quantize kernel (csrc/cuda/quantize.cuh, a warp per scale group) writes the codes and scales. Bit for bit
+# reference.quantize of the emulated y, in every dtype, format and scale mode. Groups of one element (odd D),
+# several groups a row (384 / 128), per token over a row longer than a warp's pass (40000: the shared-memory
+# forward), more groups than the emulated device's warps (600 rows).
+QUANT_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+def _quant_modes(cols):
+    group = next(g for g in (128, 8, 1) if cols % g == 0)
+    static = torch.tensor([0.0173])
+    return [
+        ({"scale": static}, {"scale": static}),
+        ({}, {}),
+        ({"scale_ub": 0.25}, {"scale_ub": 0.25}),
+        ({"group_size": group}, {"group_size": group}),
+        (
+            {"group_size": group, "scale_ue8m0": True, "scales_column_major": True},
+            {"group_size": group, "scale_ue8m0": True},
+        ),
+    ]
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (5, 7), (3, 384), (600, 64), (2, 40000)])
+@pytest.mark.parametrize("kind", ["rms", "layer", "add_rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_quantized_output(kind, dtype, rows, cols):
+    x, weight, bias, residual = _inputs(rows, cols, dtype, dtype, (True, True))
+    modes = _quant_modes(cols)
+    # Every format with every mode on small inputs; on the large ones (slow to emulate) each mode once, the formats
+    # in turn.
+    if rows * cols <= 2048:
+        cases = [(out_dtype, mode) for out_dtype in QUANT_FORMATS for mode in modes]
+    else:
+        cases = [(QUANT_FORMATS[i % len(QUANT_FORMATS)], mode) for i, mode in enumerate(modes)]
+    for out_dtype, (options, ref_options) in cases:
+        quant = {"out_dtype": out_dtype, "return_unquantized": True, **options}
+        if kind == "rms":
+            q, scales, y = ops.rms_norm_quant(x, [cols], weight, None, **quant)
+            y_plain = ops.rms_norm_fwd(x, [cols], weight, None)[0]
+            q_only = ops.rms_norm_quant(x, [cols], weight, None, **{**quant, "return_unquantized": False})[0]
+        elif kind == "layer":
+            q, scales, y = ops.layer_norm_quant(x, [cols], weight, bias, 1e-5, **quant)
+            y_plain = ops.layer_norm_fwd(x, [cols], weight, bias, 1e-5)[0]
+            q_only = ops.layer_norm_quant(x, [cols], weight, bias, 1e-5, **{**quant, "return_unquantized": False})[0]
+        else:
+            q, scales, y, residual_out = ops.add_rms_norm_quant(x, residual, [cols], weight, None, None, **quant)
+            y_plain, residual_plain, _ = ops.add_rms_norm_fwd(x, residual, [cols], weight, None, None)
+            assert torch.equal(residual_out, residual_plain)
+            q_only = ops.add_rms_norm_quant(
+                x, residual, [cols], weight, None, None, **{**quant, "return_unquantized": False}
+            )[0]
+        assert torch.equal(y, y_plain)
+        q_ref, scales_ref = reference.quantize(y_plain, 1, out_dtype, **ref_options)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (out_dtype, options)
+        assert torch.equal(q_only.view(torch.uint8), q_ref.view(torch.uint8))
+        if "scale" not in options:
+            assert torch.equal(scales.view(torch.int32), scales_ref.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("out_dtype", QUANT_FORMATS)
+def test_quantized_output_nan_zero_and_saturated_rows(out_dtype):
+    """A NaN row (NaN scale; NaN codes in float8, 0 in int8), an all-zero row (the floor scale), a row that
+    saturates under a small static scale: as reference.quantize."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(11))
+    x[0, 3] = float("nan")
+    x[1] = 0
+    for options in ({}, {"group_size": 128}, {"scale": torch.tensor([1e-4])}):
+        q, scales, y = ops.rms_norm_quant(x, [256], None, None, out_dtype=out_dtype, return_unquantized=True, **options)
+        q_ref, scales_ref = reference.quantize(y, 1, out_dtype, **options)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        if "scale" not in options:
+            assert torch.equal(scales.view(torch.int32), scales_ref.view(torch.int32))
