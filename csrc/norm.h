@@ -22,12 +22,6 @@ struct RoundingOptions {
   bool round_normalized = false;  // xhat rounded to the input dtype before the weight multiply (Llama)
 };
 
-// Arguments of one forward call, already validated. x holds M rows of D contiguous elements, each where x_rows says
-// (D apart: contiguous; else a slice, a chunk, the heads of a packed projection, transposed leading dimensions, a
-// broadcast row); y is [M, D] contiguous;
-// weight and bias are [D] contiguous or undefined; mean and rstd are [M] contiguous in the accumulation dtype (mean
-// is undefined for RMSNorm). With a residual ([M, D] contiguous, of residual_out's dtype; x then contiguous too),
-// the norm is of residual_out = x + residual, which the kernels write; otherwise both are undefined.
 // The *_quant operators' output: q ([M, D] contiguous, 1 byte an element) = y quantized as `spec` says, with the
 // scales: the given float32 one (one element) or, dynamic, where the kernels write them (float32 [M, D / group] in
 // the layout of spec's strides).
@@ -36,6 +30,12 @@ struct QuantArgs {
   QuantSpec spec;
 };
 
+// Arguments of one forward call, already validated. x holds M rows of D contiguous elements, each where x_rows says
+// (D apart: contiguous; else a slice, a chunk, the heads of a packed projection, transposed leading dimensions, a
+// broadcast row); y is [M, D] contiguous;
+// weight and bias are [D] contiguous or undefined; mean and rstd are [M] contiguous in the accumulation dtype (mean
+// is undefined for RMSNorm). With a residual ([M, D] contiguous, of residual_out's dtype; x then contiguous too),
+// the norm is of residual_out = x + residual, which the kernels write; otherwise both are undefined.
 struct ForwardArgs {
   at::Tensor x, weight, bias;
   double eps;

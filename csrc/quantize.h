@@ -1,5 +1,5 @@
 // The quantized output of the *_quant operators: the arithmetic the CPU kernels and the CUDA kernel share, so that
-// both give torch_ln/reference.py's quantize_reference bit for bit.
+// both give torch_ln.reference.quantize bit for bit.
 #pragma once
 
 #include <cmath>
