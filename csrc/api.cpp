@@ -103,6 +103,75 @@ Tensor2 add_rms_norm_bwd(const at::Tensor& grad_out, const OptTensor& grad_resid
                  output_mask, weight_offset, round_normalized);
 }
 
+// The quantized forms: the operators take QuantOptions' fields as arguments and return an empty tensor for a static
+// scale, and y always (empty unless return_unquantized).
+
+namespace {
+
+using OptInt = std::optional<int64_t>;
+using OptDouble = std::optional<double>;
+
+QuantizedNorm quantized(const QuantOptions& quant, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& y,
+                        const at::Tensor& residual_out = {}) {
+  return {q, quant.scale.has_value() ? *quant.scale : scales, quant.return_unquantized ? y : at::Tensor(),
+          residual_out};
+}
+
+}  // namespace
+
+QuantizedNorm rms_norm_quant(const at::Tensor& input, at::IntArrayRef normalized_shape, const QuantOptions& quant,
+                             const OptTensor& weight, std::optional<double> eps, double weight_offset,
+                             bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, OptDouble, at::ScalarType, const OptTensor&,
+                            OptInt, OptDouble, bool, bool, bool, double, bool)>("torch_ln::rms_norm_quant");
+  const auto [q, scales, y] =
+      op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, quant.out_dtype, quant.scale,
+              quant.group_size, quant.scale_ub, quant.scale_ue8m0, quant.scales_column_major, quant.return_unquantized,
+              weight_offset, round_normalized);
+  return quantized(quant, q, scales, y);
+}
+
+QuantizedNorm layer_norm_quant(const at::Tensor& input, at::IntArrayRef normalized_shape, const QuantOptions& quant,
+                               const OptTensor& weight, const OptTensor& bias, double eps, double weight_offset) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double, at::ScalarType,
+                            const OptTensor&, OptInt, OptDouble, bool, bool, bool, double)>(
+          "torch_ln::layer_norm_quant");
+  const auto [q, scales, y] = op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps,
+                                      quant.out_dtype, quant.scale, quant.group_size, quant.scale_ub, quant.scale_ue8m0,
+                                      quant.scales_column_major, quant.return_unquantized, weight_offset);
+  return quantized(quant, q, scales, y);
+}
+
+QuantizedNorm add_rms_norm_quant(const at::Tensor& input, const at::Tensor& residual, at::IntArrayRef normalized_shape,
+                                 const QuantOptions& quant, const OptTensor& weight, std::optional<double> eps,
+                                 OptDtype residual_dtype, double weight_offset, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor4(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&, OptDouble, OptDtype,
+                            at::ScalarType, const OptTensor&, OptInt, OptDouble, bool, bool, bool, double, bool)>(
+          "torch_ln::add_rms_norm_quant");
+  const auto [q, scales, y, residual_out] =
+      op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, residual_dtype, quant.out_dtype,
+              quant.scale, quant.group_size, quant.scale_ub, quant.scale_ue8m0, quant.scales_column_major,
+              quant.return_unquantized, weight_offset, round_normalized);
+  return quantized(quant, q, scales, y, residual_out);
+}
+
+QuantizedNorm add_layer_norm_quant(const at::Tensor& input, const at::Tensor& residual,
+                                   at::IntArrayRef normalized_shape, const QuantOptions& quant, const OptTensor& weight,
+                                   const OptTensor& bias, double eps, OptDtype residual_dtype, double weight_offset) {
+  static const auto op =
+      find_operator<Tensor4(const at::Tensor&, const at::Tensor&, Shape, const OptTensor&, const OptTensor&, double,
+                            OptDtype, at::ScalarType, const OptTensor&, OptInt, OptDouble, bool, bool, bool, double)>(
+          "torch_ln::add_layer_norm_quant");
+  const auto [q, scales, y, residual_out] =
+      op.call(input, residual, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, residual_dtype,
+              quant.out_dtype, quant.scale, quant.group_size, quant.scale_ub, quant.scale_ue8m0,
+              quant.scales_column_major, quant.return_unquantized, weight_offset);
+  return quantized(quant, q, scales, y, residual_out);
+}
+
 // The differentiable entry points: the operators of csrc/autograd.cpp.
 
 at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape, const OptTensor& weight,

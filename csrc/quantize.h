@@ -32,12 +32,14 @@ TLN_HOST_DEVICE float quant_max(QuantFormat format) {
 // The smallest dynamic scale, vLLM's 1 / (qmax * 512): an all-zero group gets it instead of a division by zero.
 TLN_HOST_DEVICE float min_dynamic_scale(QuantFormat format) { return 1.0f / (quant_max(format) * 512.0f); }
 
-// A running amax with |v| folded in; a NaN stays (as torch.amax propagates it).
-TLN_HOST_DEVICE float fold_abs_max(float running, float v) {
+// A running amax with |v| folded in; a NaN stays (as torch.amax propagates it). F: float, or the CUDA kernels'
+// accumulator (double for float64 rows, whose y values are floats' all the same).
+template <typename F>
+TLN_HOST_DEVICE F fold_abs_max(F running, F v) {
 #if defined(__CUDA_ARCH__)
-  const float a = fabsf(v);
+  const F a = fabs(v);
 #else
-  const float a = std::fabs(v);
+  const F a = std::fabs(v);
 #endif
   // Both comparisons always evaluated (| not ||): GCC if-converts only comparisons that run unconditionally.
   return (a > running) | (a != a) ? a : running;

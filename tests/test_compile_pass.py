@@ -362,6 +362,26 @@ def test_rewrite_of_an_exported_graph():
     assert torch.equal(program.module()(x), torch_ln.rms_norm(x, (8,), weight, 1e-6))
 
 
+def test_refused_rewrite_leaves_the_graph_as_it_was():
+    """F.layer_norm of bfloat16 input with a float16 weight (which the kernels would take converted to float32) and
+    a float16 bias (which they cannot take): the rewrite is refused, the graph unchanged, the weight's conversion
+    never inserted. (Traced only: torch's own kernels refuse these dtypes when run.)"""
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, dtype=torch.float16))
+            self.bias = nn.Parameter(torch.randn(8, dtype=torch.float16))
+
+        def forward(self, x):
+            return F.layer_norm(x, (8,), self.weight, self.bias)
+
+    gm = torch.export.export(Norm(), (torch.randn(4, 8, dtype=torch.bfloat16),)).module()
+    nodes = len(gm.graph.nodes)
+    assert torch_ln.compile.rewrite(gm) == {}
+    assert len(gm.graph.nodes) == nodes, [n.format_node() for n in gm.graph.nodes]
+
+
 def test_rewrite_of_a_decomposed_exported_layer_norm():
     """After export's decompositions LayerNorm is aten.native_layer_norm (y, mean, rstd); with only y used it becomes
     torch_ln's layer_norm."""

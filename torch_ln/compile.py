@@ -325,15 +325,14 @@ def _kernel_takes(param_dtype: torch.dtype, input_dtype: torch.dtype) -> bool:
     return param_dtype == input_dtype or (input_dtype in _REDUCED and param_dtype == torch.float32)
 
 
-def _kernel_weight(weight: fx.Node, input_dtype: torch.dtype, graph: fx.Graph, before: fx.Node):
-    """The weight as the kernels take it, converted exactly to float32 where it is not (None: not possible)."""
-    dtype = _tensor(weight).dtype
+def _kernel_weight_dtype(dtype: torch.dtype, input_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which the kernels take a weight of `dtype`: its own, or float32 (an exact conversion) where they
+    do not take it as it is; None where neither."""
     if _kernel_takes(dtype, input_dtype):
-        return weight
-    if not (dtype in _REDUCED and input_dtype in (torch.float32, *_REDUCED)):
-        return None
-    with graph.inserting_before(before):
-        return graph.call_method("float", (weight,))
+        return dtype
+    if dtype in _REDUCED and input_dtype in (torch.float32, *_REDUCED):
+        return torch.float32
+    return None
 
 
 def _consumer(node: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -401,17 +400,18 @@ def _call_norm(graph: fx.Graph, r: _Replacement, bias=None, shape=None, eps=None
     if input_dtype not in _KERNEL_DTYPES:
         return None
     weight = r.weight
-    if weight is not None:
-        weight = _kernel_weight(weight, input_dtype, graph, r.replaced)
-        if weight is None:
-            return None
+    weight_dtype = None if weight is None else _kernel_weight_dtype(_tensor(weight).dtype, input_dtype)
+    if weight is not None and weight_dtype is None:
+        return None
     if bias is not None and not _kernel_takes(_tensor(bias).dtype, input_dtype):
         return None
-    if bias is not None and weight is not None and _tensor(bias).dtype != _tensor(weight).dtype:
+    if bias is not None and weight is not None and _tensor(bias).dtype != weight_dtype:
         return None
     shape = list(shape) if shape is not None else [_tensor(r.input).shape[-1]]
     eps = r.eps if eps is None else eps
     with graph.inserting_before(r.replaced):
+        if weight is not None and weight_dtype != _tensor(weight).dtype:
+            weight = graph.call_method("float", (weight,))
         if r.centred:
             call = graph.call_function(_ln.layer_norm_fwd.default, (r.input, shape, weight, bias, eps, r.weight_offset))
         else:

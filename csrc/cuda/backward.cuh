@@ -373,7 +373,7 @@ TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, 
 // it walks. Per row a block reads its slices of x and dy once (kBackwardSharedUnroll vectors of each a thread, all in
 // flight before the first is used), keeps them in shared memory where p.row_on_chip (as stored: the fewest bytes),
 // adds the row sums' terms and, to the gradient sums it keeps in shared memory (acc_t) for the whole walk, dy * xhat
-// and dy. The row sums go through the cluster in rank order (ClusterSum2); dx is written once, from the slice on
+// and dy. The row sums go through the cluster in rank order (ClusterReduce2); dx is written once, from the slice on
 // chip, or (rows too long for a cluster's shared memory) from a second read of it, mostly from L2: the one extra
 // read. At the end each block writes its slice of its cluster's partial row, once, for reduce_partials_kernel. Where
 // p.partial_cluster > 1 the launch's thread-block clusters hold that many groups of p.cluster_blocks blocks (of one
@@ -414,8 +414,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     if (dweight) dweight_sums.store(c, zeros);
     if (dbias) dbias_sums.store(c, zeros);
   }
-  ClusterSum2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster,
-                                  static_cast<unsigned>(group * cluster)};
+  ClusterReduce2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster,
+                                     static_cast<unsigned>(group * cluster)};
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
   // A cluster's groups walk their rows in lockstep, group g row lead + g (the row sums' barriers are the whole
   // cluster's): a group past the last row takes the barriers with nothing to add.

@@ -5,6 +5,7 @@
 #include "../norm_kind.h"
 #include "../row_strides.h"
 #include "launch_plan.h"
+#include "quantize.cuh"
 #include "reduce.cuh"
 #include "rounding.cuh"
 #include "shared_vectors.cuh"
@@ -30,6 +31,12 @@ struct ForwardParams {
   int cluster_blocks;  // the shared-memory kernel: blocks a row is staged over (RowPlan::cluster_blocks)
   int64_t slice_vectors;
   RowStrides x_rows;  // where each row of x starts (cols apart, but for a strided view: ForwardArgs)
+  // The *_quant operators (the kernels' QUANTIZED instances): y, as stored, quantized into quant.q in the kernel's
+  // epilogue, y itself then stored only where y != nullptr. Dynamic scales come per row (quant_group_lanes == 0: the
+  // row's threads reduce its amax) or per group of quant_group_lanes vectors (a power of two <= 32: consecutive lanes
+  // of a warp hold a group, which reduce its amax by shuffles; quant_group_lanes in launch_forward_typed).
+  QuantOutput quant = {};
+  int quant_group_lanes = 0;
 };
 
 // With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
@@ -90,12 +97,11 @@ TLN_DEVICE acc_t vector_sum(const acc_t (&v)[VEC]) {
   return s;
 }
 
-// Normalizes vector c of a row and stores it to y, reading the weight and bias (where the row has them) from
-// `params`: GlobalParams or the block's StagedParams.
+// Normalizes vector c of a row into out, reading the weight and bias (where the row has them) from `params`:
+// GlobalParams or the block's StagedParams or SlicedParams.
 template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
-TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t c,
-                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const Params& params) {
-  acc_t out[VEC];
+TLN_DEVICE void normalize(const ForwardParams<T, W, acc_t, R>& p, int64_t c, const acc_t (&v)[VEC], acc_t mean,
+                          acc_t rstd, const Params& params, acc_t (&out)[VEC]) {
 #pragma unroll
   for (int j = 0; j < VEC; ++j) out[j] = (v[j] - mean) * rstd;
   if (p.weight != nullptr) {
@@ -110,7 +116,98 @@ TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int6
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] += b[j];
   }
+}
+
+// Normalizes vector c of a row and stores it to y.
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
+TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t c,
+                                    const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const Params& params) {
+  acc_t out[VEC];
+  normalize(p, c, v, mean, rstd, params, out);
   store_vec<VEC>(p.y + row * p.cols, c * VEC, out);
+}
+
+// max |y| over vector c of a row, y as stored (rounded to T): the values that are quantized.
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
+TLN_DEVICE acc_t stored_abs_max(const ForwardParams<T, W, acc_t, R>& p, int64_t c, const acc_t (&v)[VEC], acc_t mean,
+                                acc_t rstd, const Params& params) {
+  acc_t out[VEC];
+  normalize(p, c, v, mean, rstd, params, out);
+  acc_t amax = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) amax = fold_abs_max(amax, static_cast<acc_t>(stored_float<T>(out[j])));
+  return amax;
+}
+
+// The inverse of the scale that a row's vectors are quantized with: the static scale's, or (dynamic per row) that of
+// the scale from the row's amax, which `row_abs_max()` reduces over the row's threads and the thread where `writes`
+// stores; 0 for per-group scales (store_quantized finds each group's).
+template <typename T, typename W, typename acc_t, typename R, typename RowAbsMax>
+TLN_DEVICE float row_inverse_scale(const ForwardParams<T, W, acc_t, R>& p, int64_t row, bool writes,
+                                   RowAbsMax row_abs_max) {
+  if (!p.quant.spec.dynamic) return 1.0f / dev::load_global(p.quant.static_scale);
+  if (p.quant_group_lanes > 0) return 0.0f;
+  const float scale = dynamic_scale(static_cast<float>(row_abs_max()), p.quant.spec);
+  if (writes) dev::store_global(p.quant.scales + row * p.quant.spec.scale_row_stride, scale);
+  return 1.0f / scale;
+}
+
+// Normalizes vector c of a row (where `in`: the thread holds one), stores it to y where y is asked for, and its
+// quantized codes to q, with `row_inverse` or, for per-group scales, the scale of its group, whose amax the group's
+// lanes reduce together: every lane of the warp calls this (with in false where it holds no vector).
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
+TLN_DEVICE void store_quantized(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t c, bool in,
+                                const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const Params& params,
+                                float row_inverse) {
+  acc_t out[VEC] = {};
+  if (in) {
+    normalize(p, c, v, mean, rstd, params, out);
+    if (p.y != nullptr) store_vec<VEC>(p.y + row * p.cols, c * VEC, out);
+  }
+  float stored[VEC];
+  acc_t amax = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    stored[j] = stored_float<T>(out[j]);
+    amax = fold_abs_max(amax, static_cast<acc_t>(stored[j]));
+  }
+  float inverse = row_inverse;
+  if (p.quant_group_lanes > 0) {
+    const float scale =
+        dynamic_scale(static_cast<float>(warp_reduce(amax, p.quant_group_lanes, AbsMax{})), p.quant.spec);
+    const int64_t group = c / p.quant_group_lanes;
+    if (in && c % p.quant_group_lanes == 0) {
+      dev::store_global(p.quant.scales + row * p.quant.spec.scale_row_stride + group * p.quant.spec.scale_group_stride,
+                        scale);
+    }
+    inverse = 1.0f / scale;
+  }
+  if (in) store_codes<VEC>(p.quant, row * p.cols + c * VEC, stored, inverse);
+}
+
+// The quantized epilogue of the kernels that walk a row (or a block's slice of it) in strides of the block's
+// threads: vectors [first, first + count) of the row, vector c read by load(c, v). Dynamic per-row scales from the
+// thread's amax reduced over the row by `reduce`, stored where `writes` (row_inverse_scale). The vectors go in rounds
+// of the block's threads, so that every lane of a warp reaches the group reductions.
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params, typename Load, typename Reduce>
+TLN_DEVICE void store_quantized_strided(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t first,
+                                        int64_t count, acc_t mean, acc_t rstd, const Params& params, Load load,
+                                        bool writes, Reduce reduce) {
+  acc_t v[VEC] = {};
+  const float row_inverse = row_inverse_scale(p, row, writes, [&] {
+    acc_t amax = acc_t(0);
+    for (int64_t c = dev::thread_x(); c < count; c += dev::block_dim_x()) {
+      load(c, v);
+      amax = fold_abs_max(amax, stored_abs_max(p, first + c, v, mean, rstd, params));
+    }
+    return reduce(amax);
+  });
+  for (int64_t base = 0; base < count; base += dev::block_dim_x()) {
+    const int64_t c = base + dev::thread_x();
+    const bool in = c < count;
+    if (in) load(c, v);
+    store_quantized(p, row, first + c, in, v, mean, rstd, params, row_inverse);
+  }
 }
 
 // The weight and bias read from global memory, vector c at a time.
@@ -194,7 +291,9 @@ struct SlicedParams {
 // one wave, launch_forward_typed), reading the weight and bias from its shared
 // copy when p.staged_params (the launcher's choice: the copy fits the device's
 // shared memory without lowering the occupancy), from global memory otherwise.
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
+// QUANTIZED (here and in the long-row kernels): the *_quant operators' instance (p.quant), a template argument so
+// that the plain kernels keep their registers (a runtime branch raised them by up to 24).
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS, bool QUANTIZED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const StagedParams<W, VEC> staged(p, shared);
@@ -230,19 +329,44 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
       }
     }
     const acc_t mean =
-        KIND == NormKind::LayerNorm ? row_sum(sum, p.threads_per_row, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
+        KIND == NormKind::LayerNorm ? row_reduce(sum, p.threads_per_row, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
     // Two-pass variance over the registers: no E[x^2] - E[x]^2 cancellation.
     acc_t squares = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (active && layout.vector(k) < nvec) squares += squared_deviations(v[k], mean);
     }
-    const acc_t rstd = rstd_from(row_sum(squares, p.threads_per_row, smem), p.cols, p.eps);
-    if (!active) continue;
-    if (layout.lane == 0) {
+    const acc_t rstd = rstd_from(row_reduce(squares, p.threads_per_row, smem), p.cols, p.eps);
+    if (active && layout.lane == 0) {
       if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
       dev::store_global(&p.rstd[row], rstd);
     }
+    if constexpr (QUANTIZED) {  // every thread: the row and group reductions
+      const auto quantize = [&](const auto& params) {
+        const float row_inverse = row_inverse_scale(p, row, active && layout.lane == 0, [&] {
+          acc_t amax = acc_t(0);
+#pragma unroll
+          for (int k = 0; k < ITEMS; ++k) {
+            if (active && layout.vector(k) < nvec) {
+              amax = fold_abs_max(amax, stored_abs_max(p, layout.vector(k), v[k], mean, rstd, params));
+            }
+          }
+          return row_reduce(amax, p.threads_per_row, smem, AbsMax{});
+        });
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+          const int64_t c = layout.vector(k);
+          store_quantized(p, row, c, active && c < nvec, v[k], mean, rstd, params, row_inverse);
+        }
+      };
+      if (p.staged_params) {
+        quantize(staged);
+      } else {
+        quantize(GlobalParams<W, VEC>{p.weight, p.bias});
+      }
+      continue;
+    }
+    if (!active) continue;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int64_t c = layout.vector(k);
@@ -258,7 +382,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
 
 // Rows too long for registers: a block per row, three passes over the row
 // (sum, squared deviations, normalize); the later passes mostly hit L2.
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
     norm_forward_multipass_kernel(ForwardParams<T, W, acc_t, R> p) {
   acc_t* smem = dev::dynamic_shared<acc_t>();
@@ -274,7 +398,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
         keep_input(p, row, c * VEC, v);
         sum += vector_sum(v);
       }
-      mean = row_sum(sum, threads, smem) / static_cast<acc_t>(p.cols);
+      mean = row_reduce(sum, threads, smem) / static_cast<acc_t>(p.cols);
     }
     acc_t squares = acc_t(0);
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
@@ -286,14 +410,21 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
       }
       squares += squared_deviations(v, mean);
     }
-    const acc_t rstd = rstd_from(row_sum(squares, threads, smem), p.cols, p.eps);
+    const acc_t rstd = rstd_from(row_reduce(squares, threads, smem), p.cols, p.eps);
     if (dev::thread_x() == 0) {
       if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
       dev::store_global(&p.rstd[row], rstd);
     }
+    const GlobalParams<W, VEC> params{p.weight, p.bias};
+    if constexpr (QUANTIZED) {
+      store_quantized_strided<VEC>(
+          p, row, 0, nvec, mean, rstd, params, [&](int64_t c, acc_t(&w)[VEC]) { load_stored(p, row, c * VEC, w); },
+          dev::thread_x() == 0, [&](acc_t amax) { return row_reduce(amax, threads, smem, AbsMax{}); });
+      continue;
+    }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
       load_stored(p, row, c * VEC, v);
-      normalize_and_store(p, row, c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+      normalize_and_store(p, row, c, v, mean, rstd, params);
     }
   }
 }
@@ -305,7 +436,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
 // at a time, all in flight before the first is used; the statistics come from shared memory (corrected two-pass); y is
 // written once. A thread reads back only the vectors it staged, so the staging needs no barrier. The grid is the
 // clusters the device holds at once, each walking rows.
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(ForwardParams<T, W, acc_t, R> p) {
   using RowPieces = typename SharedVectors<R, VEC>::Piece;
   using ParamPieces = typename SharedVectors<W, VEC>::Piece;
@@ -324,7 +455,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
       first};
   if (p.staged_params) params.fill(p, count);
-  ClusterSum2<acc_t> cluster_sum2{partials, cluster};
+  ClusterReduce2<acc_t> cluster_reduce2{partials, cluster};
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
     const int64_t x_start = p.x_rows.offset(row) + first * VEC;  // element offset of the slice in x
     acc_t sum = acc_t(0);
@@ -352,7 +483,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
     }
     acc_t mean = acc_t(0), unused = acc_t(0);
     if (KIND == NormKind::LayerNorm) {
-      cluster_sum2(sum, unused, threads, scratch);
+      cluster_reduce2(sum, unused, threads, scratch);
       mean = sum / static_cast<acc_t>(p.cols);
     }
     // Corrected two-pass variance (Chan, Golub and LeVeque): the deviations from the first mean sum to the row's
@@ -368,7 +499,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         squares += (v[j] - mean) * (v[j] - mean);
       }
     }
-    cluster_sum2(deviations, squares, threads, scratch);
+    cluster_reduce2(deviations, squares, threads, scratch);
     if (KIND == NormKind::LayerNorm) {
       mean += deviations / static_cast<acc_t>(p.cols);
       squares -= deviations * deviations / static_cast<acc_t>(p.cols);
@@ -378,33 +509,47 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
       dev::store_global(&p.rstd[row], rstd);
     }
-    for (int64_t c = dev::thread_x(); c < count; c += threads) {
-      slice.load(c, v);
-      if (p.staged_params) {
-        normalize_and_store(p, row, first + c, v, mean, rstd, params);
-      } else {
-        normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+    const auto store = [&](const auto& row_params) {
+      if constexpr (QUANTIZED) {
+        store_quantized_strided<VEC>(
+            p, row, first, count, mean, rstd, row_params, [&](int64_t c, acc_t(&w)[VEC]) { slice.load(c, w); },
+            first == 0 && dev::thread_x() == 0,
+            [&](acc_t amax) {
+              acc_t ignored = acc_t(0);
+              cluster_reduce2(amax, ignored, threads, scratch, AbsMax{});
+              return amax;
+            });
+        return;
       }
+      for (int64_t c = dev::thread_x(); c < count; c += threads) {
+        slice.load(c, v);
+        normalize_and_store(p, row, first + c, v, mean, rstd, row_params);
+      }
+    };
+    if (p.staged_params) {
+      store(params);
+    } else {
+      store(GlobalParams<W, VEC>{p.weight, p.bias});
     }
   }
   if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
 }
 
-// The forward's kernels by register tier, for launch_rows.
-template <typename T, typename W, typename acc_t, typename R>
+// The forward's kernels by register tier, for launch_rows; QUANTIZED: their *_quant instances.
+template <typename T, typename W, typename acc_t, typename R, bool QUANTIZED = false>
 struct ForwardKernels {
   static constexpr RegisterBudget budget = for_accumulator(kForwardBudget, sizeof(acc_t));
   template <NormKind K, int VEC, int ITEMS>
   static constexpr auto get() {
     if constexpr (ITEMS == 0) {
-      return &norm_forward_multipass_kernel<T, W, acc_t, R, K, VEC>;
+      return &norm_forward_multipass_kernel<T, W, acc_t, R, K, VEC, QUANTIZED>;
     } else {
-      return &norm_forward_kernel<T, W, acc_t, R, K, VEC, ITEMS>;
+      return &norm_forward_kernel<T, W, acc_t, R, K, VEC, ITEMS, QUANTIZED>;
     }
   }
   template <NormKind K, int VEC>
   static constexpr auto shared_row() {
-    return &norm_forward_shared_kernel<T, W, acc_t, R, K, VEC>;
+    return &norm_forward_shared_kernel<T, W, acc_t, R, K, VEC, QUANTIZED>;
   }
 };
 

@@ -1,11 +1,8 @@
 // Host side of the forward kernels: plan, pick the template instance, launch.
 #pragma once
 
-#include <ATen/Dispatch.h>
-
 #include "forward.cuh"
 #include "launch_common.h"
-#include "quantize.cuh"
 
 namespace torch_ln {
 
@@ -17,6 +14,19 @@ SharedRowSpace forward_shared_row_space(bool weight, bool bias, const DeviceLimi
           sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
 }
 
+// ForwardParams::quant_group_lanes for the kernel `plan` runs: 0 without per-group scales; a group's vectors where
+// they lie in consecutive lanes of one warp, whose shuffles reduce its amax: a power of two <= 32 of whole vectors,
+// inside one slice of the shared-memory kernel's row; -1 elsewhere. (A group of at most half the row spans no more
+// than the register kernels' threads of a row, and the multi-pass kernel's rounds of the block's threads hold whole
+// groups.)
+inline int quant_group_lanes(const QuantSpec& spec, int64_t cols, const RowPlan& plan) {
+  if (!spec.dynamic || spec.group == cols) return 0;
+  const int64_t lanes = spec.group / plan.vec;
+  const bool in_warp = spec.group % plan.vec == 0 && lanes <= dev::kWarpSize && (lanes & (lanes - 1)) == 0;
+  if (!in_warp || (plan.shared_row() && plan.slice_vectors % lanes != 0)) return -1;
+  return static_cast<int>(lanes);
+}
+
 template <typename Types>
 void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   using T = typename Types::input_t;
@@ -26,7 +36,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   ForwardParams<T, W, acc_t, R> p{a.x.const_data_ptr<T>(),
                                   data_or_null<W>(a.weight),
                                   data_or_null<W>(a.bias),
-                                  a.y.mutable_data_ptr<T>(),
+                                  mutable_data_or_null<T>(a.y),
                                   mutable_data_or_null<acc_t>(a.mean),
                                   a.rstd.mutable_data_ptr<acc_t>(),
                                   a.rows,
@@ -40,6 +50,13 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   0,
                                   0,
                                   a.x_rows};
+  const bool quantized = a.quant.q.defined();
+  const QuantOutput quant =
+      quantized ? QuantOutput{reinterpret_cast<uint8_t*>(a.quant.q.mutable_data_ptr()),
+                              a.quant.spec.dynamic ? a.quant.scales.mutable_data_ptr<float>() : nullptr,
+                              a.quant.spec.dynamic ? nullptr : a.quant.scales.const_data_ptr<float>(), a.quant.spec}
+                : QuantOutput{};
+  p.quant = quant;
   // A strided x is read in 16-byte vectors where every row starts 16-byte aligned, as its base does.
   const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
                       vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out}) &&
@@ -50,10 +67,23 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   p.cluster_blocks = plan.cluster_blocks;
   p.slice_vectors = plan.slice_vectors;
   p.staged_params = plan.slice_params;
+  p.quant_group_lanes = quantized ? quant_group_lanes(a.quant.spec, a.cols, plan) : 0;
+  // The forward quantizes in its epilogue, but for groups its layout cannot reduce in a warp, and for the dtype
+  // combinations without QUANTIZED kernel instances (float64, mixed parameters, a float32 residual stream: kept to
+  // the serving dtypes for build time). There y is written (a temporary where not asked for), then quantized by a
+  // second kernel.
+  constexpr bool kQuantizesInForward = std::is_same_v<W, T> && std::is_same_v<R, T> && !std::is_same_v<T, double>;
+  const bool separate_quantize = quantized && (p.quant_group_lanes < 0 || !kQuantizesInForward);
+  at::Tensor y_for_quantize;
+  if (separate_quantize) {
+    y_for_quantize = a.y.defined() ? a.y : at::empty({a.rows, a.cols}, a.x.options());
+    p.y = y_for_quantize.mutable_data_ptr<T>();
+    p.quant = {};
+  }
   const size_t scratch = plan.smem_bytes<acc_t>();
   const size_t staged =
       plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
-  with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+  const auto launch = [&](auto kernel) {
     if (plan.shared_row()) {  // a cluster of blocks per row, as many clusters as the device holds at once
       const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
                               .layout(plan.slice_vectors, plan.vec, plan.slice_params)
@@ -77,23 +107,21 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       limit_to_one_wave(plan, limits, blocks_per_sm);
     }
     dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
-  });
+  };
+  if constexpr (kQuantizesInForward) {
+    if (p.quant.q != nullptr) return with_row_kernel<ForwardKernels<T, W, acc_t, R, true>, T>(kind, plan, launch);
+  }
+  with_row_kernel<ForwardKernels<T, W, acc_t, R>, T>(kind, plan, launch);
+  if (separate_quantize) {
+    launch_quantize_rows<T>(p.y, quant, a.rows, a.cols, limits, stream);
+  }
 }
 
-// The forward kernel, then with a quantized output the quantize kernel over y (a temporary where y is not asked for).
-inline void launch_norm_forward(NormKind kind, const ForwardArgs& args, const DeviceLimits& limits,
-                                dev::Stream stream) {
-  ForwardArgs a = args;
-  const bool quantized = a.quant.q.defined();
-  if (quantized && !a.y.defined())
-    a.y = at::empty({a.rows, a.cols}, a.x.options().memory_format(at::MemoryFormat::Contiguous));
+// The forward kernel, with a quantized output where quant.q is defined.
+inline void launch_norm_forward(NormKind kind, const ForwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {
   const auto rows = a.residual_out.defined() ? a.residual_out.scalar_type() : a.x.scalar_type();
   dispatch_dtypes(a.x.scalar_type(), parameter_dtype(a.x, a.weight, a.bias), rows,
                   [&](auto types) { launch_forward_typed<decltype(types)>(kind, a, limits, stream); });
-  if (!quantized) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.y.scalar_type(), "torch_ln quantize", [&] {
-    launch_quantize_rows<scalar_t>(a.y, a.quant, a.rows, a.cols, limits, stream);
-  });
 }
 
 }  // namespace torch_ln

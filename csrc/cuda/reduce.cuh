@@ -1,5 +1,5 @@
-// Device helpers shared by the kernels: vector memory access and sum
-// reductions built in layers (thread -> warp -> row of warps).
+// Device helpers shared by the kernels: vector memory access and reductions (sums, the quantized outputs' amax)
+// built in layers (thread -> warp -> row of warps -> cluster).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../quantize.h"
 #include "device.cuh"
 
 namespace torch_ln {
@@ -63,26 +64,39 @@ struct RowLayout {
   TLN_DEVICE int64_t vector(int k) const { return int64_t{k} * threads_per_row + lane; }
 };
 
-// Sum over the `width` lanes (a power of two <= 32) of each aligned lane group.
-// The xor butterfly adds the same pairs in every lane, so every lane ends with
-// the bitwise same total.
-template <typename acc_t>
-TLN_DEVICE acc_t warp_sum(acc_t v, int width) {
-  for (int offset = width / 2; offset > 0; offset /= 2) v += dev::shfl_xor(v, offset);
+// The reductions' combining steps: a sum, and the amax of the quantized outputs (NaN-propagating, fold_abs_max).
+struct Plus {
+  template <typename V>
+  TLN_DEVICE V operator()(V a, V b) const {
+    return a + b;
+  }
+};
+struct AbsMax {
+  template <typename V>
+  TLN_DEVICE V operator()(V running, V v) const {
+    return fold_abs_max(running, v);
+  }
+};
+
+// v combined over the `width` lanes (a power of two <= 32) of each aligned lane group. The xor butterfly combines
+// the same pairs in every lane, so every lane ends with the bitwise same result.
+template <typename V, typename Combine = Plus>
+TLN_DEVICE V warp_reduce(V v, int width, Combine combine = {}) {
+  for (int offset = width / 2; offset > 0; offset /= 2) v = combine(v, dev::shfl_xor(v, offset));
   return v;
 }
 
-// Sums two values over the threads of one row: a row of `threads_per_row`
+// Combines two values over the threads of one row: a row of `threads_per_row`
 // threads starting at thread `row_in_block * threads_per_row` of the block.
-// Rows of up to 32 threads reduce inside their warp; longer rows add their
-// warps' totals through shared memory `smem` (2 per warp of the block), in warp
-// order, so the result is deterministic and identical in every thread. Every
-// thread of the block must call it (it synchronizes the block when rows span
-// several warps).
-template <typename acc_t>
-TLN_DEVICE void row_sum2(acc_t& a, acc_t& b, int threads_per_row, acc_t* smem) {
-  a = warp_sum(a, threads_per_row < dev::kWarpSize ? threads_per_row : dev::kWarpSize);
-  b = warp_sum(b, threads_per_row < dev::kWarpSize ? threads_per_row : dev::kWarpSize);
+// Rows of up to 32 threads reduce inside their warp; longer rows combine their
+// warps' results through shared memory `smem` (2 per warp of the block), in warp
+// order from `identity`, so the result is deterministic and identical in every
+// thread. Every thread of the block must call it (it synchronizes the block when
+// rows span several warps).
+template <typename V, typename Combine = Plus>
+TLN_DEVICE void row_reduce2(V& a, V& b, int threads_per_row, V* smem, Combine combine = {}, V identity = V(0)) {
+  a = warp_reduce(a, threads_per_row < dev::kWarpSize ? threads_per_row : dev::kWarpSize, combine);
+  b = warp_reduce(b, threads_per_row < dev::kWarpSize ? threads_per_row : dev::kWarpSize, combine);
   if (threads_per_row <= dev::kWarpSize) return;
   const int warp = dev::thread_x() / dev::kWarpSize;
   const int warps_per_row = threads_per_row / dev::kWarpSize;
@@ -92,36 +106,42 @@ TLN_DEVICE void row_sum2(acc_t& a, acc_t& b, int threads_per_row, acc_t* smem) {
     dev::store_shared(&smem[2 * warp + 1], b);
   }
   dev::sync_threads();
-  a = b = acc_t(0);
+  a = b = identity;
   for (int w = first_warp; w < first_warp + warps_per_row; ++w) {
-    a += dev::load_shared(&smem[2 * w]);
-    b += dev::load_shared(&smem[2 * w + 1]);
+    a = combine(a, dev::load_shared(&smem[2 * w]));
+    b = combine(b, dev::load_shared(&smem[2 * w + 1]));
   }
   dev::sync_threads();  // smem is reused by the next reduction
 }
 
 template <typename acc_t>
-TLN_DEVICE acc_t row_sum(acc_t a, int threads_per_row, acc_t* smem) {
-  acc_t unused = acc_t(0);
-  row_sum2(a, unused, threads_per_row, smem);
+TLN_DEVICE void row_sum2(acc_t& a, acc_t& b, int threads_per_row, acc_t* smem) {
+  row_reduce2(a, b, threads_per_row, smem);
+}
+
+template <typename V, typename Combine = Plus>
+TLN_DEVICE V row_reduce(V a, int threads_per_row, V* smem, Combine combine = {}) {
+  V unused = V(0);
+  row_reduce2(a, unused, threads_per_row, smem, combine);
   return a;
 }
 
-// Sums two values over a row's `blocks` blocks of a thread-block cluster, ranks first_rank.. (the cluster may hold
-// several rows' groups of them): each block's totals (row_sum2), then every block adds the group's totals in rank
-// order from their shared memory, so all get the bitwise same sums.
+// Combines two values over a row's `blocks` blocks of a thread-block cluster, ranks first_rank.. (the cluster may
+// hold several rows' groups of them): each block's results (row_reduce2), then every block combines the group's
+// results in rank order from their shared memory, so all get the bitwise same values (sums, by default).
 // Consecutive reductions alternate between two slots of `partials` (4 values): a slot is rewritten only after the
 // cluster barrier of the reduction in between, which every block passes after it has read the slot. A template of
 // the accumulator alone: the same code serves every kernel instance.
 template <typename acc_t>
-struct ClusterSum2 {
+struct ClusterReduce2 {
   acc_t* partials;
   int blocks;
   unsigned first_rank = 0;
   int reductions = 0;
 
-  TLN_DEVICE void operator()(acc_t& a, acc_t& b, int threads, acc_t* scratch) {
-    row_sum2(a, b, threads, scratch);
+  template <typename Combine = Plus>
+  TLN_DEVICE void operator()(acc_t& a, acc_t& b, int threads, acc_t* scratch, Combine combine = {}) {
+    row_reduce2(a, b, threads, scratch, combine);
     if (blocks == 1) return;
     acc_t* slot = partials + 2 * (reductions++ & 1);
     if (dev::thread_x() == 0) {
@@ -132,8 +152,8 @@ struct ClusterSum2 {
     a = b = acc_t(0);
     for (int rank = 0; rank < blocks; ++rank) {
       const acc_t* remote = dev::cluster_shared(slot, first_rank + rank);
-      a += dev::load_shared(remote);
-      b += dev::load_shared(remote + 1);
+      a = combine(a, dev::load_shared(remote));
+      b = combine(b, dev::load_shared(remote + 1));
     }
   }
 };

@@ -74,6 +74,20 @@ bool check_on(const at::Device device) {
   ok &= report("add_rms_norm autograd grad_input" + on, add_ours[0], add_theirs[0], output_tolerance);
   ok &= report("add_rms_norm autograd grad_residual" + on, add_ours[1], add_theirs[1], output_tolerance);
   ok &= report("add_rms_norm autograd grad_weight" + on, add_ours[2], add_theirs[2], sum_tolerance);
+
+  // A quantized output (float8 e4m3, per-token scales), exactly as torch_ln.reference.quantize: each row's scale is
+  // max |y| / 448 (at least 1 / (448 * 512)), q is y times its float32 reciprocal, saturated and cast.
+  torch_ln::QuantOptions fp8;
+  fp8.return_unquantized = true;
+  const auto quant = torch_ln::add_rms_norm_quant(x, residual.detach(), {D}, fp8, weight);
+  const auto y_rows = quant.y.to(at::kFloat);
+  const auto scales = at::clamp_min(y_rows.abs().amax({-1}, true) / 448.0, 1.0 / (448.0 * 512.0));
+  const auto q = at::clamp(y_rows * at::reciprocal(scales), -448.0, 448.0).to(at::kFloat8_e4m3fn);
+  const auto y_plain =
+      std::get<0>(torch_ln::add_rms_norm_fwd(x, residual.detach(), {D}, weight, std::nullopt, std::nullopt));
+  ok &= report("add_rms_norm_quant y" + on, quant.y, y_plain, 0);
+  ok &= report("add_rms_norm_quant scales" + on, quant.scale, scales, 0);
+  ok &= report("add_rms_norm_quant q" + on, quant.q.to(at::kFloat), q.to(at::kFloat), 0);
   return ok;
 }
 

@@ -1147,6 +1147,123 @@ def test_quantized_output(kind, dtype, rows, cols):
             assert torch.equal(scales.view(torch.int32), scales_ref.contiguous().view(torch.int32))
 
 
+# The forward kernels' quantizing instances, by path, and the emulated device that takes each (None: the default
+# sm_90): the register kernels' two tiers with 16-byte vectors and on the scalar path (prime D), the shared-memory
+# kernel (a block, and a cluster of 4 whose slices hold whole 128-element groups), the multi-pass kernel.
+QUANT_KERNEL_PATHS = [
+    ("registers", 256, None),  # short rows: a warp or less per row, 128-element groups in 16 or 32 lanes
+    ("registers", 4096, None),  # the large register tier
+    ("registers", 61, None),  # the scalar path, short rows (prime D: groups of 1 element)
+    ("registers", 257, None),  # the scalar path, large tier
+    ("shared", 16512, None),  # past the registers (129 groups of 128), one block a row
+    ("shared", 16411, None),  # the scalar path
+    ("shared", 16896, 4),  # a cluster of 4: 132 groups, 33 in each block's slice
+    ("multipass", 16512, "multipass"),
+    ("multipass", 16411, "multipass"),
+]
+
+
+# The mangled names' part that tells the paths' kernels apart.
+QUANT_KERNEL_NAMES = {
+    "registers": "norm_forward_kernelI",
+    "shared": "norm_forward_shared_kernelI",
+    "multipass": "norm_forward_multipass_kernelI",
+}
+
+
+def _quant_device(cols, dtype, device, param_bytes=0):
+    """The emulated device of a QUANT_KERNEL_PATHS case (param_bytes: of weight and bias an element, for the
+    cluster)."""
+    if device is None:
+        return _device()
+    if device == "multipass":
+        return _device(**FORWARD_LONG_PATHS["multipass"])
+    return _cluster_device(cols, dtype, device, param_bytes)
+
+
+def _quantized_launches(kind, x, weight, bias, residual, **quant):
+    """The *_quant op's outputs (q, scales, y[, residual_out]) and its kernel launches."""
+    cols = x.shape[-1]
+    ops.set_counting(True)
+    try:
+        if kind == "add_rms":
+            out = ops.add_rms_norm_quant(x, residual, [cols], weight, None, None, **quant)
+        elif kind == "layer":
+            out = ops.layer_norm_quant(x, [cols], weight, bias, 1e-5, **quant)
+        else:
+            out = ops.rms_norm_quant(x, [cols], weight, None, **quant)
+    finally:
+        ops.set_counting(False)
+    return out, json.loads(ops.take_launch_log())
+
+
+@pytest.mark.parametrize("path,cols,device", QUANT_KERNEL_PATHS)
+@pytest.mark.parametrize("kind", ["rms", "layer", "add_rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantized_output_fused(path, cols, device, kind, dtype):
+    """The serving dtypes quantize in the forward kernel's epilogue on every path (one launch; y not written where
+    not asked for: the stores are q, the scales and the statistics alone), bitwise as reference.quantize of the plain
+    op's y: static, per-token and per-group scales."""
+    x, weight, bias, residual = _inputs(2, cols, dtype, dtype, (True, True))
+    group = 128 if cols % 128 == 0 else 1
+    per_group = {"group_size": group, "scale_ue8m0": True, "scales_column_major": True}
+    modes = [{"scale": torch.tensor([0.0173])}, {"scale_ub": 0.5}, per_group]
+    with _quant_device(cols, dtype, device, (1 + (kind == "layer")) * dtype.itemsize):
+        for out_dtype, options in zip(QUANT_FORMATS, modes):
+            (q, scales, *rest), launches = _quantized_launches(
+                kind, x, weight, bias, residual, out_dtype=out_dtype, **options
+            )
+            kernels = [launch["kernel"] for launch in launches]
+            assert len(kernels) == 1 and QUANT_KERNEL_NAMES[path] in kernels[0], kernels
+            groups = 0 if "scale" in options else cols // options.get("group_size", cols)
+            statistics = 4 * (1 + (kind == "layer"))
+            residual_bytes = cols * dtype.itemsize if kind == "add_rms" else 0
+            assert launches[0]["store_bytes"] == 2 * (cols + 4 * groups + statistics + residual_bytes)
+            if kind == "add_rms":
+                y_plain, residual_plain, _ = ops.add_rms_norm_fwd(x, residual, [cols], weight, None, None)
+                assert torch.equal(rest[1], residual_plain)
+            else:
+                y_plain = _emulated_forward(kind, x, weight, bias, None if kind == "rms" else 1e-5)
+            layout_free = {k: v for k, v in options.items() if k != "scales_column_major"}
+            q_ref, scales_ref = reference.quantize(y_plain, 1, out_dtype, **layout_free)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (out_dtype, options)
+            if "scale" not in options:
+                assert torch.equal(scales.view(torch.int32), scales_ref.view(torch.int32))
+
+
+# Where the forward kernel does not quantize, a second kernel quantizes y: the dtype combinations without quantizing
+# kernel instances, and per-group scales whose groups do not lie in a warp's lanes in the kernel's layout.
+QUANT_SECOND_KERNEL_CASES = [
+    (torch.float64, torch.float64, None, 256, 128, None),  # float64: no quantizing instance
+    (torch.bfloat16, torch.float32, None, 256, 128, None),  # mixed parameters
+    (torch.float16, torch.float16, torch.float32, 256, 128, None),  # a float32 residual stream
+    (torch.bfloat16, torch.bfloat16, None, 256, 4, None),  # groups of half a 16-byte vector
+    (torch.float32, torch.float32, None, 4096, 256, None),  # 64 lanes: more than a warp's
+    (torch.float16, torch.float16, None, 16512, 128, 4),  # cluster slices of 516 vectors: groups across two
+]
+
+
+@pytest.mark.parametrize("dtype,param_dtype,residual_dtype,cols,group,device", QUANT_SECOND_KERNEL_CASES)
+def test_quantized_output_second_kernel(dtype, param_dtype, residual_dtype, cols, group, device):
+    x, weight, _, residual = _inputs(3, cols, dtype, param_dtype, (True, False))
+    quant = {"out_dtype": torch.float8_e4m3fn, "group_size": group}
+    with _quant_device(cols, dtype, device):
+        ops.set_counting(True)
+        try:
+            q, scales, _, residual_out = ops.add_rms_norm_quant(
+                x, residual, [cols], weight, None, residual_dtype, **quant
+            )
+        finally:
+            ops.set_counting(False)
+        launches = json.loads(ops.take_launch_log())
+        y_plain, residual_plain, _ = ops.add_rms_norm_fwd(x, residual, [cols], weight, None, residual_dtype)
+    assert [("quantize_rows" in launch["kernel"]) for launch in launches] == [False, True]
+    assert torch.equal(residual_out, residual_plain)
+    q_ref, scales_ref = reference.quantize(y_plain, 1, torch.float8_e4m3fn, group_size=group)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scales.view(torch.int32), scales_ref.view(torch.int32))
+
+
 @pytest.mark.parametrize("out_dtype", QUANT_FORMATS)
 def test_quantized_output_nan_zero_and_saturated_rows(out_dtype):
     """A NaN row (NaN scale; NaN codes in float8, 0 in int8), an all-zero row (the floor scale), a row that

@@ -109,6 +109,51 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(
     at::IntArrayRef normalized_shape, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
     std::array<bool, 2> output_mask, double weight_offset = 0, bool round_normalized = false);
 
+// How the *_quant functions quantize y, as the keyword arguments of Python's torch_ln.rms_norm_quant: out_dtype
+// float8_e4m3fn, float8_e5m2 or int8; a static scale (a float32 tensor of one element) or dynamic scales, per token
+// (the default) or per group of group_size elements, capped by scale_ub, rounded up to a power of two (scale_ue8m0),
+// laid out column-major (scales_column_major); y returned as well where return_unquantized. Inference only.
+struct QuantOptions {
+  at::ScalarType out_dtype = at::kFloat8_e4m3fn;
+  std::optional<at::Tensor> scale = std::nullopt;
+  std::optional<int64_t> group_size = std::nullopt;
+  std::optional<double> scale_ub = std::nullopt;
+  bool scale_ue8m0 = false;
+  bool scales_column_major = false;
+  bool return_unquantized = false;
+};
+
+// A quantized norm's outputs, as Python's torch_ln.QuantizedNorm: q; its scales (the static scale as given, or the
+// dynamic ones, float32 [*, groups]); y where return_unquantized, and residual_out after a residual add (else
+// undefined).
+struct QuantizedNorm {
+  at::Tensor q, scale, y, residual_out;
+};
+
+// rms_norm, layer_norm, add_rms_norm and add_layer_norm with a quantized output (the *_quant operators).
+TORCH_LN_API QuantizedNorm rms_norm_quant(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                          const QuantOptions& quant,
+                                          const std::optional<at::Tensor>& weight = std::nullopt,
+                                          std::optional<double> eps = std::nullopt, double weight_offset = 0.0,
+                                          bool round_normalized = false);
+TORCH_LN_API QuantizedNorm layer_norm_quant(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                            const QuantOptions& quant,
+                                            const std::optional<at::Tensor>& weight = std::nullopt,
+                                            const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
+                                            double weight_offset = 0.0);
+TORCH_LN_API QuantizedNorm add_rms_norm_quant(const at::Tensor& input, const at::Tensor& residual,
+                                              at::IntArrayRef normalized_shape, const QuantOptions& quant,
+                                              const std::optional<at::Tensor>& weight = std::nullopt,
+                                              std::optional<double> eps = std::nullopt,
+                                              std::optional<at::ScalarType> residual_dtype = std::nullopt,
+                                              double weight_offset = 0.0, bool round_normalized = false);
+TORCH_LN_API QuantizedNorm add_layer_norm_quant(const at::Tensor& input, const at::Tensor& residual,
+                                                at::IntArrayRef normalized_shape, const QuantOptions& quant,
+                                                const std::optional<at::Tensor>& weight = std::nullopt,
+                                                const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
+                                                std::optional<at::ScalarType> residual_dtype = std::nullopt,
+                                                double weight_offset = 0.0);
+
 // The CPU output cache: freed CPU outputs (y, residual_out, dx) of 1 MiB or more, kept for the next call of the same
 // size (up to TORCH_LN_OUTPUT_CACHE_MB, default 256; 0 turns it off). empty_output_cache returns them to the system
 // allocator and the bytes they held; output_cache_bytes is the bytes held now.
