@@ -18,6 +18,10 @@
 # `gpu_check.sh carried` refuse a build that does not match the tree it lands in: build right before the GPU run,
 # after the last edit of those files.
 #   nice -n 10 bash scripts/build_for_gpu.sh
+#   nice -n 10 bash scripts/build_for_gpu.sh --experiment   # the same with scripts/experiment_overrides.diff applied
+#     (the TLN_X_* switches that ../shared/gpu-perf/sweep.py times), into gpu_build_experiment/: carry it beside
+#     gpu_build/ and copy its torch_ln/ over the package before gpu_profile.sh, as gpu_check.sh's header says
+#     (gpu_check.sh's `carried` refuses it: its sources are not the tree's)
 # 13.5 minutes from scratch on the 2-core machine (2026-12-04; build_ext 815 s); seconds when nothing compiled changed.
 # Then: device run, carry ["gpu_build", ".whl"], command `bash scripts/gpu_check.sh carried tests sanitizer bench`.
 set -euo pipefail
@@ -34,6 +38,14 @@ VENV=${GPU_BUILD_VENV:-$HOME/.cache/torch_ln/gpu-venv-$KEY}
 SCRATCH=${GPU_BUILD_SCRATCH:-/tmp/torch_ln-gpu-build-$KEY-sm${ARCH/./}}
 SRC=$SCRATCH/src
 DEST=$ROOT/gpu_build
+EXPERIMENT=
+if [[ ${1:-} == --experiment ]]; then
+  EXPERIMENT=$ROOT/scripts/experiment_overrides.diff
+  DEST=$ROOT/gpu_build_experiment
+elif [[ $# -gt 0 ]]; then
+  echo "usage: $0 [--experiment]" >&2
+  exit 2
+fi
 CARRY_LIMIT=$((64 * 1024 * 1024)) # what the device tool carries at most, all carried paths together
 start=$SECONDS
 
@@ -98,6 +110,10 @@ for path in src.rglob("*"):
 print(f"{len(names)} files: {copied} copied (new or changed), {removed} removed")
 PY
 git -C "$ROOT" describe --always --dirty > "$SCRATCH/revision" 2> /dev/null || echo unknown > "$SCRATCH/revision"
+if [[ -n $EXPERIMENT ]]; then # the next plain build's sync puts back the files it changes (their content differs)
+  (cd "$SRC" && git apply "$EXPERIMENT")
+  echo "+ $(basename "$EXPERIMENT")" >> "$SCRATCH/revision"
+fi
 
 echo "=== build: TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=${MAX_JOBS:-2} setup.py build_ext --inplace"
 echo "(log: $SCRATCH/build.log)"
@@ -166,12 +182,12 @@ PY
 
 rm -rf "$DEST"
 mv "$DEST.new" "$DEST"
-(cd "$ROOT" && find gpu_build -type f -printf '%10s  %p\n' | sort -k2)
+(cd "$ROOT" && find "$(basename "$DEST")" -type f -printf '%10s  %p\n' | sort -k2)
 total=$(du -sb "$DEST" | cut -f1)
 wheels=0
 [[ -d $ROOT/.whl ]] && wheels=$(du -sb "$ROOT/.whl" | cut -f1)
 unstripped=$(($(stat -c %s "$SRC/torch_ln/lib/libtorch_ln.so") + $(stat -c %s "$SRC/torch_ln/$module")))
-echo "gpu_build: $((total / 1024)) KiB (the two libraries unstripped: $((unstripped / 1024)) KiB);" \
+echo "$(basename "$DEST"): $((total / 1024)) KiB (the two libraries unstripped: $((unstripped / 1024)) KiB);" \
   "with .whl/: $(((total + wheels) / 1024)) KiB of the $((CARRY_LIMIT / 1024)) KiB the device tool carries"
 ((total + wheels <= CARRY_LIMIT)) || { echo "too large to carry" >&2; exit 1; }
 echo "done in $((SECONDS - start)) s"

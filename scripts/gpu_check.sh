@@ -27,6 +27,12 @@
 #   device run: bash scripts/gpu_check.sh build tests sanitizer     (timeout_s ~ 590)
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
+# The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
+# scripts/experiment_overrides.diff (its own diff no longer applies to these kernels): make it here as well,
+#   nice -n 10 bash scripts/build_for_gpu.sh --experiment     (-> gpu_build_experiment/)
+# carry it beside gpu_build, and after gpu_check.sh, in the same warm machine:
+#   cp -r gpu_build_experiment/torch_ln/. torch_ln/ && cp shared/gpu-perf/{sweep,ncu_cases}.py . &&
+#     TORCH_LN_ALLOW_STALE=1 bash shared/gpu-perf/gpu_profile.sh env sweep overview source
 # Wheels in .whl/ (carried: `carry: [".whl"]`) are installed first, for the benchmarks' other providers
 # (Liger's is pure Python; QuACK's CUTLASS DSL is too large to carry).
 # $OUT (default ./gpu_out) gets summary.txt and console.log as they grow, and results.tgz (every log,

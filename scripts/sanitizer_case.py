@@ -35,6 +35,13 @@ for rows, cols, dtype in CASES:
             (y.sum() + h.sum()).backward()
             y, h = torch_ln.add_rms_norm(x, residual, [cols], w, residual_dtype=residual_dtype)
             (y.sum() + h.sum()).backward()
+        # Quantized outputs (inference): the forward kernels' quantizing epilogue, per token, per group (reduced over
+        # warp lanes; a second kernel where the groups do not fit them) and static.
+        with torch.no_grad():
+            group = 128 if cols % 128 == 0 else 1
+            torch_ln.rms_norm_quant(x, [cols], w)
+            torch_ln.add_rms_norm_quant(x, residual, [cols], w, group_size=group, return_unquantized=True)
+            torch_ln.layer_norm_quant(x, [cols], w, b, scale=torch.ones(1, device="cuda"), out_dtype=torch.int8)
         # An unaligned view: the scalar path.
         torch_ln.layer_norm(x.detach().flatten()[1:].view(-1)[: (rows - 1) * cols].view(rows - 1, cols), [cols])
 torch.cuda.synchronize()

@@ -87,6 +87,47 @@ def apply_weight(
     return y.to(input.dtype)
 
 
+# The activations of a gated RMSNorm's gate.
+GATE_ACTIVATIONS = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
+
+
+def gated_rms_norm(
+    input: Tensor,
+    gate: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    *,
+    gate_position: str = "after",
+    activation: str = "silu",
+    group_size: int | None = None,
+    round_normalized: bool = False,
+) -> Tensor:
+    """RMSNorm over the last dimension with a gate z, as the gated RMSNorms of hybrid SSM and linear-attention models
+    compute it (transformers' *RMSNormGated classes, tests/test_gated_norm_reference.py):
+
+    - ``gate_position="before"``: rmsnorm(x * act(z)) (Mamba2, FalconH1 with norm_before_gate=False); ``"after"``:
+      rmsnorm(x) * act(z) (Qwen3-Next, GLM5-Next, FalconH1's default, fla's FusedRMSNormGated). act(z) and its
+      product are float32's; ``gate=None``: no gate.
+    - ``group_size``: each group of that many elements of the row has its own rstd (Mamba2's n_groups).
+    - the rstd of each group is rsqrt(mean(h^2) + eps) of the float32 values.
+    - ``round_normalized=False``: float32 throughout (the weight converted), rounded to x's dtype once at the end.
+      ``True``: the normalized value rounded to x's dtype and multiplied by the weight in their promoted dtype
+      (Llama's rounding); a gate after it multiplies in float32 and the result is rounded to x's dtype; without one
+      the product is returned as it is (Mamba2: a float32 weight gives a float32 output).
+
+    Not yet an operator: the kernels (issue 38) are to follow these forms bit for bit."""
+    dtype, act = input.dtype, GATE_ACTIVATIONS[activation]
+    h = input.float()
+    if gate is not None and gate_position == "before":
+        h = h * act(gate.float())
+    groups = h.unflatten(-1, (-1, group_size or h.shape[-1]))
+    normalized = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    out = weight * normalized.to(dtype) if round_normalized else weight.float() * normalized
+    if gate is not None and gate_position == "after":
+        return (out * act(gate.float())).to(dtype)
+    return out if round_normalized else out.to(dtype)
+
+
 # Derivatives, in torch ops so that they are differentiable again (double backward, hessians, torch.func).
 
 
