@@ -139,15 +139,22 @@ TLN_DEVICE acc_t stored_abs_max(const ForwardParams<T, W, acc_t, R>& p, int64_t 
   return amax;
 }
 
-// The inverse of the scale that a row's vectors are quantized with: the static scale's, or (dynamic per row) that of
-// the scale from the row's amax, which `row_abs_max()` reduces over the row's threads and the thread where `writes`
-// stores; 0 for per-group scales (store_quantized finds each group's).
-template <typename T, typename W, typename acc_t, typename R, typename RowAbsMax>
+// Whether the row's scale is dynamic per row (per token): its amax is reduced over the row before any vector is
+// quantized.
+template <typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE bool per_row_scale(const ForwardParams<T, W, acc_t, R>& p) {
+  return p.quant.spec.dynamic && p.quant_group_lanes == 0;
+}
+
+// The inverse of the scale that a row's vectors are quantized with: the static scale's, or (per_row_scale) that of
+// the scale from the row's amax `row_abs_max` (reduced over the row), which the thread where `writes` stores; 0 for
+// per-group scales (store_quantized finds each group's).
+template <typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE float row_inverse_scale(const ForwardParams<T, W, acc_t, R>& p, int64_t row, bool writes,
-                                   RowAbsMax row_abs_max) {
+                                   acc_t row_abs_max) {
   if (!p.quant.spec.dynamic) return 1.0f / dev::load_global(p.quant.static_scale);
   if (p.quant_group_lanes > 0) return 0.0f;
-  const float scale = dynamic_scale(static_cast<float>(row_abs_max()), p.quant.spec);
+  const float scale = dynamic_scale(static_cast<float>(row_abs_max), p.quant.spec);
   if (writes) dev::store_global(p.quant.scales + row * p.quant.spec.scale_row_stride, scale);
   return 1.0f / scale;
 }
@@ -187,26 +194,53 @@ TLN_DEVICE void store_quantized(const ForwardParams<T, W, acc_t, R>& p, int64_t 
 
 // The quantized epilogue of the kernels that walk a row (or a block's slice of it) in strides of the block's
 // threads: vectors [first, first + count) of the row, vector c read by load(c, v). Dynamic per-row scales from the
-// thread's amax reduced over the row by `reduce`, stored where `writes` (row_inverse_scale). The vectors go in rounds
-// of the block's threads, so that every lane of a warp reaches the group reductions.
+// threads' amax combined over the row by `reduce`, stored where `writes` (row_inverse_scale). The vectors go in
+// rounds of the block's threads, so that every lane of a warp reaches the group reductions. (Named functions, not
+// lambdas, hold the branches here and below: gcov merges a lambda's instances into one line, which the branch gate
+// would then need every instance to cover.)
 template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params, typename Load, typename Reduce>
 TLN_DEVICE void store_quantized_strided(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t first,
                                         int64_t count, acc_t mean, acc_t rstd, const Params& params, Load load,
                                         bool writes, Reduce reduce) {
   acc_t v[VEC] = {};
-  const float row_inverse = row_inverse_scale(p, row, writes, [&] {
-    acc_t amax = acc_t(0);
+  acc_t amax = acc_t(0);
+  if (per_row_scale(p)) {
     for (int64_t c = dev::thread_x(); c < count; c += dev::block_dim_x()) {
       load(c, v);
       amax = fold_abs_max(amax, stored_abs_max(p, first + c, v, mean, rstd, params));
     }
-    return reduce(amax);
-  });
+    amax = reduce(amax);
+  }
+  const float row_inverse = row_inverse_scale(p, row, writes, amax);
   for (int64_t base = 0; base < count; base += dev::block_dim_x()) {
     const int64_t c = base + dev::thread_x();
     const bool in = c < count;
     if (in) load(c, v);
     store_quantized(p, row, first + c, in, v, mean, rstd, params, row_inverse);
+  }
+}
+
+// The register kernel's quantized epilogue for one row (row_in_block's row of the tile; every thread of the block:
+// the row and group reductions).
+template <int VEC, int ITEMS, typename T, typename W, typename acc_t, typename R, typename Params>
+TLN_DEVICE void store_quantized_row(const ForwardParams<T, W, acc_t, R>& p, const RowLayout& layout, int64_t row,
+                                    bool active, int64_t nvec, const acc_t (&v)[ITEMS][VEC], acc_t mean, acc_t rstd,
+                                    const Params& params, acc_t* smem) {
+  acc_t amax = acc_t(0);
+  if (per_row_scale(p)) {
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (active && layout.vector(k) < nvec) {
+        amax = fold_abs_max(amax, stored_abs_max(p, layout.vector(k), v[k], mean, rstd, params));
+      }
+    }
+    amax = row_reduce(amax, p.threads_per_row, smem, AbsMax{});
+  }
+  const float row_inverse = row_inverse_scale(p, row, active && layout.lane == 0, amax);
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int64_t c = layout.vector(k);
+    store_quantized(p, row, c, active && c < nvec, v[k], mean, rstd, params, row_inverse);
   }
 }
 
@@ -342,27 +376,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
       dev::store_global(&p.rstd[row], rstd);
     }
     if constexpr (QUANTIZED) {  // every thread: the row and group reductions
-      const auto quantize = [&](const auto& params) {
-        const float row_inverse = row_inverse_scale(p, row, active && layout.lane == 0, [&] {
-          acc_t amax = acc_t(0);
-#pragma unroll
-          for (int k = 0; k < ITEMS; ++k) {
-            if (active && layout.vector(k) < nvec) {
-              amax = fold_abs_max(amax, stored_abs_max(p, layout.vector(k), v[k], mean, rstd, params));
-            }
-          }
-          return row_reduce(amax, p.threads_per_row, smem, AbsMax{});
-        });
-#pragma unroll
-        for (int k = 0; k < ITEMS; ++k) {
-          const int64_t c = layout.vector(k);
-          store_quantized(p, row, c, active && c < nvec, v[k], mean, rstd, params, row_inverse);
-        }
-      };
       if (p.staged_params) {
-        quantize(staged);
+        store_quantized_row<VEC, ITEMS>(p, layout, row, active, nvec, v, mean, rstd, staged, smem);
       } else {
-        quantize(GlobalParams<W, VEC>{p.weight, p.bias});
+        store_quantized_row<VEC, ITEMS>(p, layout, row, active, nvec, v, mean, rstd,
+                                        GlobalParams<W, VEC>{p.weight, p.bias}, smem);
       }
       continue;
     }
@@ -509,27 +527,29 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       if (p.mean != nullptr) dev::store_global(&p.mean[row], mean);
       dev::store_global(&p.rstd[row], rstd);
     }
-    const auto store = [&](const auto& row_params) {
-      if constexpr (QUANTIZED) {
-        store_quantized_strided<VEC>(
-            p, row, first, count, mean, rstd, row_params, [&](int64_t c, acc_t(&w)[VEC]) { slice.load(c, w); },
-            first == 0 && dev::thread_x() == 0,
-            [&](acc_t amax) {
-              acc_t ignored = acc_t(0);
-              cluster_reduce2(amax, ignored, threads, scratch, AbsMax{});
-              return amax;
-            });
-        return;
+    if constexpr (QUANTIZED) {
+      const auto load = [&](int64_t c, acc_t(&w)[VEC]) { slice.load(c, w); };
+      const auto reduce = [&](acc_t amax) {
+        acc_t ignored = acc_t(0);
+        cluster_reduce2(amax, ignored, threads, scratch, AbsMax{});
+        return amax;
+      };
+      const bool writes = first == 0 && dev::thread_x() == 0;
+      if (p.staged_params) {
+        store_quantized_strided<VEC>(p, row, first, count, mean, rstd, params, load, writes, reduce);
+      } else {
+        store_quantized_strided<VEC>(p, row, first, count, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias}, load,
+                                     writes, reduce);
       }
-      for (int64_t c = dev::thread_x(); c < count; c += threads) {
-        slice.load(c, v);
-        normalize_and_store(p, row, first + c, v, mean, rstd, row_params);
+      continue;
+    }
+    for (int64_t c = dev::thread_x(); c < count; c += threads) {
+      slice.load(c, v);
+      if (p.staged_params) {
+        normalize_and_store(p, row, first + c, v, mean, rstd, params);
+      } else {
+        normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
       }
-    };
-    if (p.staged_params) {
-      store(params);
-    } else {
-      store(GlobalParams<W, VEC>{p.weight, p.bias});
     }
   }
   if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums

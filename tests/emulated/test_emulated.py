@@ -1158,6 +1158,7 @@ QUANT_KERNEL_PATHS = [
     ("shared", 16512, None),  # past the registers (129 groups of 128), one block a row
     ("shared", 16411, None),  # the scalar path
     ("shared", 16896, 4),  # a cluster of 4: 132 groups, 33 in each block's slice
+    ("shared", 16512, "row only"),  # shared memory for the row but not the weight: the weight read from global memory
     ("multipass", 16512, "multipass"),
     ("multipass", 16411, "multipass"),
 ]
@@ -1178,6 +1179,8 @@ def _quant_device(cols, dtype, device, param_bytes=0):
         return _device()
     if device == "multipass":
         return _device(**FORWARD_LONG_PATHS["multipass"])
+    if device == "row only":
+        return _device(shared=cols * dtype.itemsize + 1024, cluster=1)
     return _cluster_device(cols, dtype, device, param_bytes)
 
 
