@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from harness import write_rows
+from harness import speed_columns, write_rows
 
 import torch_ln
 from torch_ln import reference
@@ -113,7 +113,6 @@ def run(args) -> list[dict]:
                         ms = measure(calls, args.device, timing)
                     nbytes = case_bytes(op, mode, args.rows, D, x.element_size(), weight.element_size())
                     for name in calls:
-                        gbps = nbytes / ms[name] / 1e6
                         row = {
                             "op": op,
                             "mode": mode,
@@ -122,10 +121,7 @@ def run(args) -> list[dict]:
                             "M": args.rows,
                             "D": D,
                             "provider": name,
-                            "ms": round(ms[name], 4),
-                            "gbps": round(gbps, 2),
-                            "pct_copy": round(100 * gbps / copy_gbps, 1),
-                            "speedup_vs_torch": round(ms["torch"] / ms[name], 2),
+                            **speed_columns(nbytes, ms, name, copy_gbps),
                             "codes_apart_vs_torch": apart[name],
                         }
                         rows.append(row)

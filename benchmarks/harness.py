@@ -224,6 +224,18 @@ def add_model_step_arguments(parser: argparse.ArgumentParser, hidden: int) -> No
     parser.add_argument("--quick", action="store_true")
 
 
+def speed_columns(nbytes: int, ms: dict[str, float], provider: str, copy_gbps: float) -> dict:
+    """A provider's time, bandwidth (from the case's byte count), share of copy bandwidth and speedup over torch
+    eager (ms["torch"]), as the CSV columns ms, gbps, pct_copy, speedup_vs_torch."""
+    gbps = nbytes / ms[provider] / 1e6
+    return {
+        "ms": round(ms[provider], 4),
+        "gbps": round(gbps, 2),
+        "pct_copy": round(100 * gbps / copy_gbps, 1),
+        "speedup_vs_torch": round(ms["torch"] / ms[provider], 2),
+    }
+
+
 def write_rows(rows: Sequence[dict], path: Path) -> None:
     """Rows of one benchmark (dicts with the same keys) as a CSV at `path`, its folder made."""
     path.parent.mkdir(parents=True, exist_ok=True)

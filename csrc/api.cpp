@@ -28,6 +28,29 @@ Tensor3 layer_norm_fwd(const at::Tensor& input, at::IntArrayRef normalized_shape
   return op.call(input, c10::fromIntArrayRefSlow(normalized_shape), weight, bias, eps, weight_offset, memory_efficient);
 }
 
+Tensor2 gated_rms_norm_fwd(const at::Tensor& input, const OptTensor& gate, at::IntArrayRef normalized_shape,
+                           const OptTensor& weight, std::optional<double> eps, std::string_view gate_position,
+                           std::string_view activation, std::optional<int64_t> group_size, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor2(const at::Tensor&, const OptTensor&, Shape, const OptTensor&, std::optional<double>,
+                            c10::string_view, c10::string_view, std::optional<int64_t>, bool)>(
+          "torch_ln::gated_rms_norm_fwd");
+  return op.call(input, gate, c10::fromIntArrayRefSlow(normalized_shape), weight, eps, gate_position, activation,
+                 group_size, round_normalized);
+}
+
+Tensor3 gated_rms_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, const OptTensor& gate,
+                           at::IntArrayRef normalized_shape, const at::Tensor& rstd, const OptTensor& weight,
+                           std::array<bool, 3> output_mask, std::string_view gate_position, std::string_view activation,
+                           std::optional<int64_t> group_size, bool round_normalized) {
+  static const auto op =
+      find_operator<Tensor3(const at::Tensor&, const at::Tensor&, const OptTensor&, Shape, const at::Tensor&,
+                            const OptTensor&, std::array<bool, 3>, c10::string_view, c10::string_view,
+                            std::optional<int64_t>, bool)>("torch_ln::gated_rms_norm_bwd");
+  return op.call(grad_out, input, gate, c10::fromIntArrayRefSlow(normalized_shape), rstd, weight, output_mask,
+                 gate_position, activation, group_size, round_normalized);
+}
+
 Tensor3 layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape,
                        const at::Tensor& mean, const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
                        std::array<bool, 3> output_mask, double weight_offset, bool from_output) {

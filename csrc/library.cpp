@@ -21,6 +21,9 @@ TORCH_LIBRARY(torch_ln, m) {
   m.def("output_cache_bytes() -> int", &output_cache_bytes);
 }
 
-TORCH_LIBRARY_IMPL(torch_ln, CPU, m) { register_norm_ops<CpuBackend>(m); }
+TORCH_LIBRARY_IMPL(torch_ln, CPU, m) {
+  register_norm_ops<CpuBackend>(m);
+  register_gated_norm_ops<CpuBackend>(m);
+}
 
 }  // namespace torch_ln

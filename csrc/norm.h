@@ -22,6 +22,16 @@ struct RoundingOptions {
   bool round_normalized = false;  // xhat rounded to the input dtype before the weight multiply (Llama)
 };
 
+// The gate of a gated RMSNorm (norm_ops.h's gated_rms_norm): y = rmsnorm(x * act(z)) (`before`) or rmsnorm(x) * act(z),
+// act(z) and its product in acc_t; the RMS of each group of `group_size` elements of a row apart (Mamba2's n_groups).
+enum class GateActivation : int8_t { Silu, Sigmoid };
+struct GateArgs {
+  at::Tensor z;  // [M, D] contiguous, the input's dtype; undefined: no gate
+  bool before = false;
+  GateActivation activation = GateActivation::Silu;
+  int64_t group_size = 0;  // 0: the whole row; else a divisor of D, and rstd holds M * (D / group_size) values
+};
+
 // The *_quant operators' output: q ([M, D] contiguous, 1 byte an element) = y quantized as `spec` says, with the
 // scales: the given float32 one (one element) or, dynamic, where the kernels write them (float32 [M, D / group] in
 // the layout of spec's strides).
@@ -47,6 +57,7 @@ struct ForwardArgs {
   // With quant.q defined, y is also quantized into quant.q; y itself may then be undefined (not asked for: the CPU
   // kernels keep each row in a per-thread buffer, the CUDA kernels in a temporary).
   QuantArgs quant = {};
+  GateArgs gate = {};  // RMSNorm only, on rows of the input (no residual, no quantized output)
 };
 
 // Arguments of one backward call. dy is [M, D] contiguous; x is read as in ForwardArgs (x_rows); mean/rstd
@@ -65,6 +76,10 @@ struct BackwardArgs {
   // contiguous; undefined without a weight: xhat = y). mean is not read then.
   bool from_output = false;
   at::Tensor inverse_weight;
+  // A gated norm's gate (GateArgs, as the forward's) and the gradient of z ([M, D] contiguous; undefined when not
+  // requested). With a gate, dx may be undefined while dgate is not.
+  GateArgs gate = {};
+  at::Tensor dgate;
 };
 
 // A contiguous tensor of `sizes` (at::empty).

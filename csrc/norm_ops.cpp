@@ -61,7 +61,7 @@ RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntAr
 }
 
 void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const RowShape& shape,
-                           const at::Tensor& rstd, const std::optional<at::Tensor>& mean) {
+                           const at::Tensor& rstd, const std::optional<at::Tensor>& mean, int64_t stats_per_row) {
   TORCH_CHECK_VALUE(grad_out.sizes() == input.sizes(), "torch_ln.", op,
                     ": expected grad_out to have the input's shape ", input.sizes(),
                     ", but got grad_out.shape=", grad_out.sizes());
@@ -72,8 +72,9 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
                     input.device(), "), but got grad_out.device=", grad_out.device());
   const auto acc = accumulation_dtype(input.scalar_type());
   auto check_stat = [&](const char* name, const at::Tensor& s) {
-    TORCH_CHECK_VALUE(s.numel() == shape.rows, "torch_ln.", op, ": expected ", name, " to have one entry per row (",
-                      shape.rows, "), but got ", name, ".numel()=", s.numel());
+    TORCH_CHECK_VALUE(s.numel() == shape.rows * stats_per_row, "torch_ln.", op, ": expected ", name, " to have ",
+                      stats_per_row == 1 ? "one entry per row" : "an entry per row and group", " (",
+                      shape.rows * stats_per_row, "), but got ", name, ".numel()=", s.numel());
     TORCH_CHECK_TYPE(s.scalar_type() == acc, "torch_ln.", op, ": expected ", name, " of dtype ", acc, ", but got ",
                      name, ".dtype=", s.scalar_type());
     TORCH_CHECK_VALUE(s.device() == input.device(), "torch_ln.", op, ": expected ", name, " on the input's device (",
@@ -142,6 +143,35 @@ std::vector<int64_t> statistics_shape(const at::Tensor& input, int64_t axis) {
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   for (const auto i : c10::irange(axis, input.dim())) shape[i] = 1;
   return shape;
+}
+
+std::vector<int64_t> statistics_shape(const at::Tensor& input, int64_t axis, int64_t groups) {
+  if (groups == 1) return statistics_shape(input, axis);
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().begin() + axis);
+  shape.push_back(groups);
+  return shape;
+}
+
+GateArgs prepare_gate(const char* op, const std::optional<at::Tensor>& gate, const at::Tensor& input, int64_t cols,
+                      c10::string_view gate_position, c10::string_view activation, std::optional<int64_t> group_size) {
+  TORCH_CHECK_VALUE(gate_position == "before" || gate_position == "after", "torch_ln.", op,
+                    ": expected gate_position 'before' or 'after', but got gate_position='", gate_position, "'");
+  TORCH_CHECK_VALUE(activation == "silu" || activation == "sigmoid", "torch_ln.", op,
+                    ": expected activation 'silu' or 'sigmoid', but got activation='", activation, "'");
+  GateArgs g;
+  if (gate.has_value()) {
+    check_like(op, "gate", *gate, "input", input, input.scalar_type(), input.scalar_type());
+    g.z = gate->contiguous();
+  }
+  g.before = gate_position == "before";
+  g.activation = activation == "silu" ? GateActivation::Silu : GateActivation::Sigmoid;
+  if (group_size.has_value()) {
+    TORCH_CHECK_VALUE(*group_size > 0 && cols % *group_size == 0, "torch_ln.", op,
+                      ": expected group_size to be a positive divisor of the normalized size ", cols,
+                      ", but got group_size=", *group_size);
+    g.group_size = *group_size == cols ? 0 : *group_size;
+  }
+  return g;
 }
 
 double default_rms_eps(at::ScalarType input) {
@@ -298,6 +328,18 @@ void define_norm_schemas(torch::Library& m) {
       "add_rms_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor residual_out, SymInt[] normalized_shape,"
       " Tensor rstd, Tensor? weight, bool[2] output_mask, float weight_offset=0., bool round_normalized=False)"
       " -> (Tensor, Tensor)",
+      tags);
+  // Gated RMSNorm (hybrid SSM and linear-attention models): y = rmsnorm(x * act(gate)) or rmsnorm(x) * act(gate),
+  // the RMS of each group of group_size elements apart; rstd has a value per row and group. See GateArgs.
+  m.def(
+      "gated_rms_norm_fwd(Tensor input, Tensor? gate, SymInt[] normalized_shape, Tensor? weight, float? eps,"
+      " str gate_position='after', str activation='silu', int? group_size=None, bool round_normalized=False)"
+      " -> (Tensor, Tensor)",
+      tags);
+  m.def(
+      "gated_rms_norm_bwd(Tensor grad_out, Tensor input, Tensor? gate, SymInt[] normalized_shape, Tensor rstd,"
+      " Tensor? weight, bool[3] output_mask, str gate_position='after', str activation='silu', int? group_size=None,"
+      " bool round_normalized=False) -> (Tensor, Tensor, Tensor)",
       tags);
   // Norms with a quantized output, inference only (no autograd): q = y quantized to out_dtype (float8_e4m3fn,
   // float8_e5m2, int8) with a static scale (`scale`, one float32 element), or dynamic scales per token (neither

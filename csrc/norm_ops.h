@@ -22,8 +22,9 @@ struct RowShape {
 RowShape check_forward_inputs(const char* op, const at::Tensor& input, at::IntArrayRef normalized_shape,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias);
 
+// The statistics hold `stats_per_row` values a row (a grouped gated norm's groups).
 void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& input, const RowShape& shape,
-                           const at::Tensor& rstd, const std::optional<at::Tensor>& mean);
+                           const at::Tensor& rstd, const std::optional<at::Tensor>& mean, int64_t stats_per_row = 1);
 
 // A weight offset needs a weight to offset.
 void check_rounding(const char* op, const RoundingOptions& rounding, const std::optional<at::Tensor>& weight);
@@ -92,6 +93,19 @@ struct QuantRequest {
 QuantArgs prepare_quant(const char* op, const QuantRequest& request, const at::Tensor& input, int64_t axis,
                         int64_t rows, int64_t cols);
 
+// Checks a gated RMSNorm's gate (`gate` like the input, or None: the plain norm, grouped or not), gate_position
+// ("before" / "after"), activation ("silu" / "sigmoid") and group_size (a positive divisor of the row length `cols`).
+GateArgs prepare_gate(const char* op, const std::optional<at::Tensor>& gate, const at::Tensor& input, int64_t cols,
+                      c10::string_view gate_position, c10::string_view activation, std::optional<int64_t> group_size);
+
+// Statistics per row: one, or a grouped gated norm's D / group_size.
+inline int64_t stats_per_row(const GateArgs& gate, int64_t cols) {
+  return gate.group_size > 0 ? cols / gate.group_size : 1;
+}
+
+// The statistics' shape: aten's (statistics_shape), or for a grouped norm the batch dimensions, then the groups.
+std::vector<int64_t> statistics_shape(const at::Tensor& input, int64_t axis, int64_t groups);
+
 // What one forward call returns: the statistics in aten's shape (mean undefined for RMSNorm), residual_out with a
 // residual add, q and the scales with a quantized output (the scales undefined for a static one), y unless only
 // the quantized output was asked for.
@@ -105,7 +119,7 @@ template <typename Backend>
 ForwardOutputs run_forward(NormKind kind, const char* op, const at::Tensor& input, at::IntArrayRef normalized_shape,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
                            RoundingOptions rounding, const std::optional<ResidualAdd>& add = std::nullopt,
-                           const QuantRequest* quant = nullptr) {
+                           const QuantRequest* quant = nullptr, const GateArgs& gate = {}) {
   const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, bias);
   check_rounding(op, rounding, weight);
   at::Tensor residual, residual_out;
@@ -123,22 +137,24 @@ ForwardOutputs run_forward(NormKind kind, const char* op, const at::Tensor& inpu
       add.has_value() ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   const bool want_y = quant == nullptr || quant->return_unquantized;
+  const int64_t groups = stats_per_row(gate, s.cols);
   ForwardArgs a{x,
                 contiguous_or_undefined(weight),
                 contiguous_or_undefined(bias),
                 eps,
                 want_y ? Backend::kernels.empty_rows(input.sizes(), input.options()) : at::Tensor(),
                 kind == NormKind::LayerNorm ? at::empty({s.rows}, stat_opts) : at::Tensor(),
-                at::empty({s.rows}, stat_opts),
+                at::empty({s.rows * groups}, stat_opts),
                 s.rows,
                 s.cols,
                 residual,
                 residual_out,
                 rounding,
                 x_rows,
-                quantized};
+                quantized,
+                gate};
   if (s.rows > 0) Backend::kernels.forward(kind, a);
-  const auto stat_shape = statistics_shape(input, s.axis);
+  const auto stat_shape = statistics_shape(input, s.axis, groups);
   return {a.y,
           residual_out,
           a.mean.defined() ? a.mean.view(stat_shape) : at::Tensor(),
@@ -147,17 +163,22 @@ ForwardOutputs run_forward(NormKind kind, const char* op, const at::Tensor& inpu
           quantized.spec.dynamic ? quantized.scales : at::Tensor()};
 }
 
+// What one backward call returns: each gradient not requested (or without its tensor) an empty tensor.
+struct BackwardOutputs {
+  at::Tensor dx, dweight, dbias, dgate;
+};
+
 // One backward call of either kind. After a residual add (`fused`), `input` is residual_out, which may have a wider
-// dtype than grad_out, and grad_residual_out, if any, is added to dx. Returns (dx, dweight, dbias); each one not
-// requested (or without its parameter) is an empty tensor.
+// dtype than grad_out, and grad_residual_out, if any, is added to dx. A gated norm's gate comes as the forward's,
+// its gradient computed when `want_dgate`.
 template <typename Backend>
-std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::Tensor& grad_out,
-                                       const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                       const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
-                                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                       std::array<bool, 3> output_mask, RoundingOptions rounding, bool fused = false,
-                                       const std::optional<at::Tensor>& grad_residual_out = std::nullopt,
-                                       bool from_output = false) {
+BackwardOutputs run_backward(NormKind kind, const char* op, const at::Tensor& grad_out, const at::Tensor& input,
+                             at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& mean,
+                             const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask,
+                             RoundingOptions rounding, bool fused = false,
+                             const std::optional<at::Tensor>& grad_residual_out = std::nullopt,
+                             bool from_output = false, const GateArgs& gate = {}, bool want_dgate = false) {
   // The parameters' dtypes are checked against the norm's output dtype, which is grad_out's.
   const RowShape s = check_forward_inputs(op, fused ? grad_out : input, normalized_shape, weight, bias);
   check_rounding(op, rounding, weight);
@@ -169,14 +190,14 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
       check_like(op, "grad_residual_out", *grad_residual_out, "residual_out", input, stream, stream);
     }
   } else {
-    check_backward_inputs(op, grad_out, input, s, rstd, mean);
+    check_backward_inputs(op, grad_out, input, s, rstd, mean, stats_per_row(gate, s.cols));
   }
   const auto [x, x_rows] =
       fused ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
   BackwardArgs a{grad_out.contiguous(),
                  x,
                  mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
-                 rstd.contiguous().view({s.rows}),
+                 rstd.contiguous().view({s.rows * stats_per_row(gate, s.cols)}),
                  contiguous_or_undefined(weight),
                  {},
                  {},
@@ -186,6 +207,8 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
                  output_mask[0] ? contiguous_or_undefined(grad_residual_out) : at::Tensor(),
                  rounding,
                  x_rows};
+  a.gate = gate;
+  if (want_dgate && gate.z.defined()) a.dgate = Backend::kernels.empty_rows(input.sizes(), input.options());
   if (from_output) {
     check_memory_efficient(op, bias);
     a.from_output = true;
@@ -204,7 +227,8 @@ std::array<at::Tensor, 3> run_backward(NormKind kind, const char* op, const at::
   }
   return {a.dx.defined() ? a.dx : unrequested_grad(input),
           want_dweight ? a.dweight.view(weight->sizes()) : unrequested_grad(input),
-          want_dbias ? a.dbias.view(bias->sizes()) : unrequested_grad(input)};
+          want_dbias ? a.dbias.view(bias->sizes()) : unrequested_grad(input),
+          a.dgate.defined() ? a.dgate : unrequested_grad(input)};
 }
 
 template <typename Backend>
@@ -223,10 +247,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(
     const at::Tensor& grad_out, const at::Tensor& input, at::IntArrayRef normalized_shape, const at::Tensor& mean,
     const at::Tensor& rstd, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     std::array<bool, 3> output_mask, double weight_offset, bool from_output) {
-  const auto [dx, dweight, dbias] =
+  const auto g =
       run_backward<Backend>(NormKind::LayerNorm, "layer_norm_backward", grad_out, input, normalized_shape, mean, rstd,
                             weight, bias, output_mask, {weight_offset, false}, false, std::nullopt, from_output);
-  return {dx, dweight, dbias};
+  return {g.dx, g.dweight, g.dbias};
 }
 
 template <typename Backend>
@@ -250,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_out, cons
       run_backward<Backend>(NormKind::RMSNorm, "rms_norm_backward", grad_out, input, normalized_shape, std::nullopt,
                             rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false},
                             {weight_offset, round_normalized}, false, std::nullopt, from_output);
-  return {grads[0], grads[1]};
+  return {grads.dx, grads.dweight};
 }
 
 // The fused residual add + norm: (y, residual_out, mean, rstd) and (d residual_out, dweight, dbias), where
@@ -271,10 +295,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_layer_norm_bwd(
     at::IntArrayRef normalized_shape, const at::Tensor& mean, const at::Tensor& rstd,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask,
     double weight_offset) {
-  const auto [dh, dweight, dbias] =
+  const auto g =
       run_backward<Backend>(NormKind::LayerNorm, "add_layer_norm_backward", grad_out, residual_out, normalized_shape,
                             mean, rstd, weight, bias, output_mask, {weight_offset, false}, true, grad_residual_out);
-  return {dh, dweight, dbias};
+  return {g.dx, g.dweight, g.dbias};
 }
 
 template <typename Backend>
@@ -301,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bwd(const at::Tensor& grad_out,
       run_backward<Backend>(NormKind::RMSNorm, "add_rms_norm_backward", grad_out, residual_out, normalized_shape,
                             std::nullopt, rstd, weight, std::nullopt, {output_mask[0], output_mask[1], false},
                             {weight_offset, round_normalized}, true, grad_residual_out);
-  return {grads[0], grads[1]};
+  return {grads.dx, grads.dweight};
 }
 
 // The quantized forms (inference only): (q, scales, y) and, after a residual add, residual_out; the scales are an
@@ -364,6 +388,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_quant(
   return {out.q, or_empty(out.scales, input), or_empty(out.y, input), out.residual_out};
 }
 
+// The gated RMSNorm (GateArgs): (y, rstd) and (dx, dgate, dweight); rstd holds a value per row and group. The
+// rounding options are rms_norm's less the offset (no gated class adds one): round_normalized rounds the normalized
+// value to the input's dtype before the weight multiply, and with a gate after, that product too when the weight
+// has the input's dtype (Qwen3-Next's `weight * x.to(dtype)`, then times the float32 gate).
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor> gated_rms_norm_fwd(const at::Tensor& input, const std::optional<at::Tensor>& gate,
+                                                      at::IntArrayRef normalized_shape,
+                                                      const std::optional<at::Tensor>& weight,
+                                                      std::optional<double> eps, c10::string_view gate_position,
+                                                      c10::string_view activation, std::optional<int64_t> group_size,
+                                                      bool round_normalized) {
+  constexpr const char* op = "gated_rms_norm";
+  const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, std::nullopt);
+  const GateArgs g = prepare_gate(op, gate, input, s.cols, gate_position, activation, group_size);
+  const auto out = run_forward<Backend>(NormKind::RMSNorm, op, input, normalized_shape, weight, std::nullopt,
+                                        eps.value_or(default_rms_eps(input.scalar_type())), {0, round_normalized},
+                                        std::nullopt, nullptr, g);
+  return {out.y, out.rstd};
+}
+
+template <typename Backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rms_norm_bwd(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& gate,
+    at::IntArrayRef normalized_shape, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    std::array<bool, 3> output_mask, c10::string_view gate_position, c10::string_view activation,
+    std::optional<int64_t> group_size, bool round_normalized) {
+  constexpr const char* op = "gated_rms_norm_backward";
+  const RowShape s = check_forward_inputs(op, input, normalized_shape, weight, std::nullopt);
+  const GateArgs g = prepare_gate(op, gate, input, s.cols, gate_position, activation, group_size);
+  const auto grads = run_backward<Backend>(NormKind::RMSNorm, op, grad_out, input, normalized_shape, std::nullopt, rstd,
+                                           weight, std::nullopt, {output_mask[0], output_mask[2], false},
+                                           {0, round_normalized}, false, std::nullopt, false, g, output_mask[1]);
+  return {grads.dx, grads.dgate, grads.dweight};
+}
+
 // Registers the operators of one backend under `m` (a TORCH_LIBRARY_IMPL
 // block for the backend's dispatch key).
 template <typename Backend>
@@ -380,6 +439,13 @@ void register_norm_ops(torch::Library& m) {
   m.impl("layer_norm_quant", &layer_norm_quant<Backend>);
   m.impl("add_rms_norm_quant", &add_rms_norm_quant<Backend>);
   m.impl("add_layer_norm_quant", &add_layer_norm_quant<Backend>);
+}
+
+// The gated RMSNorm, which the CPU kernels implement (the CUDA kernels do not yet: issue 38).
+template <typename Backend>
+void register_gated_norm_ops(torch::Library& m) {
+  m.impl("gated_rms_norm_fwd", &gated_rms_norm_fwd<Backend>);
+  m.impl("gated_rms_norm_bwd", &gated_rms_norm_bwd<Backend>);
 }
 
 }  // namespace torch_ln

@@ -143,3 +143,19 @@ def test_quant_benchmark(tmp_path):
     }
     for row in rows:
         assert float(row["ms"]) > 0 and int(row["codes_apart_vs_torch"]) <= 1, row
+
+
+def test_gated_benchmark(tmp_path):
+    # benchmarks/bench_gated.py at a tiny size: both forms and modes, torch_ln's outputs and gradients within bfloat16's
+    # rounding (2^-8 relative, and a flip propagated through the gradient's mean terms) of the torch-ops form's.
+    args = ["--quick", "--rows", "8", "--cols", "256", "1000", "--dtypes", "bfloat16", "--providers", "torch_ln"]
+    rows = _run("bench_gated.py", args, tmp_path)
+    assert {(r["form"], r["mode"], r["D"], r["provider"]) for r in rows} == {
+        (form, mode, D, provider)
+        for form in ("mamba2", "qwen3_next")
+        for mode in MODES
+        for D in ("256", "1000")
+        for provider in ("torch_ln", "torch")
+    }
+    for row in rows:
+        assert float(row["ms"]) > 0 and float(row["difference_vs_torch"]) <= 3e-2, row

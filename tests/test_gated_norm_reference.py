@@ -1,5 +1,5 @@
 """torch_ln.reference.gated_rms_norm against every gated RMSNorm class of the pinned transformers, bit for bit: the
-forms that the gated kernels and replace_norms' swap of these classes (issue 38 item 1, not yet written) must follow.
+forms that the gated kernels and replace_norms' swap of these classes follow (tests/test_gated_norm.py).
 Five forms (the classes of one form compute bit-identical outputs):
 - Mamba2's: gate before the norm, grouped, rounded to x's dtype before the weight product, no final cast;
 - FalconH1's: float32 throughout, either gate position, grouped;
@@ -92,9 +92,11 @@ def test_reference_is_the_class_bit_for_bit(name, dtype, weight_dtype):
         assert torch.equal(got, expected), (gate is None, (got.float() - expected.float()).abs().max())
 
 
-def test_every_gated_class_has_a_form_or_a_reason():
-    """Every gated class that test_transformers_norm_classes lists as not swapped has its form here, but AXK2's."""
-    from test_transformers_norm_classes import NOT_SWAPPED
+def test_every_swapped_gated_class_has_a_form():
+    """Every gated class of the pinned transformers has its form here but AXK2's, which test_transformers_norm_classes
+    lists as not swapped."""
+    from test_transformers_norm_classes import NOT_SWAPPED, _norm_classes
 
-    gated = {name for name, reason in NOT_SWAPPED.items() if reason == "gated"}
+    gated = {name for name in _norm_classes() if "Gated" in name}
     assert gated - {name.split("/")[0] for name in CLASSES} == {"axk2.AXK2GatedRMSNorm"}
+    assert NOT_SWAPPED["axk2.AXK2GatedRMSNorm"] == "gated"

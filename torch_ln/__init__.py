@@ -27,6 +27,7 @@ from torch_ln._extension import cmake_prefix_path
 from torch_ln.modules import (
     AddLayerNorm,
     AddRMSNorm,
+    GatedRMSNorm,
     LayerNorm,
     RMSNorm,
     forward_converter,
@@ -37,6 +38,7 @@ from torch_ln.ops import (
     add_layer_norm,
     add_rms_norm,
     empty_output_cache,
+    gated_rms_norm,
     layer_norm,
     output_cache_bytes,
     qk_rms_norm,
@@ -80,6 +82,7 @@ elif torch.distributed.is_available():  # builds without torch.distributed have 
 __all__ = [
     "AddLayerNorm",
     "AddRMSNorm",
+    "GatedRMSNorm",
     "LayerNorm",
     "LayerNormQuant",
     "QuantizedNorm",
@@ -93,6 +96,7 @@ __all__ = [
     "compile",
     "empty_output_cache",
     "forward_converter",
+    "gated_rms_norm",
     "integrations",
     "layer_norm",
     "layer_norm_quant",

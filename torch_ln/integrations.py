@@ -14,6 +14,8 @@ Each family's forward runs torch_ln's kernels with the rounding options that rep
 - T5LayerNorm: Llama's rounding when weight and input share a half/bfloat16 (or float32) dtype.
 - Cohere-style LayerNorm (float32 statistics, no bias): torch_ln's layer_norm as it is.
 - Gemma3n-style RMSNorm (``pow(-0.5)``, the optional weight product in float32): torch_ln's rms_norm as it is.
+- The gated RMSNorms (Mamba2's, FalconH1's, Qwen3-Next's, GLM5-Next's forms): torch_ln's gated_rms_norm with the
+  gate position, groups and rounding of each (reference.gated_rms_norm documents the forms); CPU input only for now.
 
 timm's LayerNorm, LayerNorm2d, LayerNormFp32, RmsNorm and RmsNorm2d are registered by class; RmsNorm and RmsNorm2d
 compute in the input's dtype, so their half-precision input takes the class's own forward.
@@ -37,7 +39,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from torch_ln import ops
+from torch_ln import ops, reference
 from torch_ln.modules import _RESOLVERS, Converter, converter_for, forward_converter, register_norm
 
 __all__ = ["FAMILIES", "arithmetic_signature", "patch_transformers", "swappable", "tiny_llama_config"]
@@ -45,9 +47,9 @@ __all__ = ["FAMILIES", "arithmetic_signature", "patch_transformers", "swappable"
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
-def _original_forward(module, x: Tensor) -> Tensor:
+def _original_forward(module, *args) -> Tensor:
     """The swapped module's own class's forward: the cases the kernels do not reproduce."""
-    return type(module).__mro__[1].forward(module, x)
+    return type(module).__mro__[1].forward(module, *args)
 
 
 def _kernel_computes(module, x: Tensor) -> bool:
@@ -159,6 +161,73 @@ def timm_rms_norm_2d_forward(self, x: Tensor) -> Tensor:
     return ops.rms_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.eps).permute(0, 3, 1, 2)
 
 
+def _gated_kernel_computes(module, x: Tensor, gate: Tensor | None) -> bool:
+    """The gated classes compute in float32 from float32/half/bfloat16 input, with a gate of the input's shape, which
+    the kernels take in the input's dtype: a gate of it, or float32 input with a half/bfloat16 gate (converted
+    exactly, as the classes do; Mamba2's scan hands its norm such a pair in bfloat16 models). CPU input only: the CUDA
+    kernels do not take the gate yet, so such inputs take the class's forward."""
+    return (
+        _kernel_computes(module, x)
+        and x.device.type == "cpu"
+        and (gate is None or (gate.shape == x.shape and (gate.dtype == x.dtype or x.dtype == torch.float32)))
+    )
+
+
+def _kernel_gate(x: Tensor, gate: Tensor | None) -> Tensor | None:
+    """The gate in x's dtype (an exact conversion where _gated_kernel_computes allows one)."""
+    return gate if gate is None else gate.to(x.dtype)
+
+
+def mamba_rms_norm_gated_forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+    """MambaRMSNormGated (Mamba2, Zamba2, NemotronH, Bamba, GraniteMoeHybrid): gate before the norm, groups of
+    group_size, the normalized value rounded to the input dtype, then the weight product in the promoted dtype and no
+    final cast."""
+    weight = self.weight
+    if not _gated_kernel_computes(self, hidden_states, gate):
+        return _original_forward(self, hidden_states, gate)
+    options = {"gate_position": "before", "group_size": self.group_size, "round_normalized": True}
+    gate, eps = _kernel_gate(hidden_states, gate), self.variance_epsilon
+    if weight.dtype == hidden_states.dtype:
+        return ops.gated_rms_norm(hidden_states, gate, weight.shape, weight, eps, **options)
+    # Promoted output: the kernel's rounding to the input dtype is the class's, the product is torch's own.
+    return weight * ops.gated_rms_norm(hidden_states, gate, weight.shape, None, eps, **options)
+
+
+def _gated_kernel_forward(self, hidden_states: Tensor, gate: Tensor | None, **options) -> Tensor:
+    """gated_rms_norm with the class's eps and a weight the kernels take (of the input's dtype, else converted exactly
+    to float32: the float32 forms multiply by it in float32), or the class's forward where the kernels do not
+    compute it."""
+    if options.get("activation", "silu") not in reference.GATE_ACTIVATIONS or not _gated_kernel_computes(
+        self, hidden_states, gate
+    ):
+        return _original_forward(self, hidden_states, gate)
+    weight = self.weight if self.weight.dtype == hidden_states.dtype else self.weight.float()
+    gate = _kernel_gate(hidden_states, gate)
+    return ops.gated_rms_norm(hidden_states, gate, weight.shape, weight, self.variance_epsilon, **options)
+
+
+def falcon_h1_rms_norm_gated_forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+    """FalconH1RMSNormGated: float32 throughout, n_groups groups, the gate after the norm (norm_before_gate, the
+    default) or before it, one rounding to the input dtype. The class takes 2-D and 3-D input."""
+    if hidden_states.dim() not in (2, 3):
+        return _original_forward(self, hidden_states, gate)
+    position = "after" if self.norm_before_gate else "before"
+    group_size = hidden_states.shape[-1] // self.n_groups
+    return _gated_kernel_forward(self, hidden_states, gate, gate_position=position, group_size=group_size)
+
+
+def qwen3_next_rms_norm_gated_forward(self, hidden_states: Tensor, gate: Tensor) -> Tensor:
+    """Qwen3NextRMSNormGated (Qwen3.5, Qwen3.5-MoE, OLMo-hybrid, Qwen4Exp): the normalized value rounded to the
+    input dtype, the weight product in the promoted dtype, then times act(gate) in float32, one final rounding."""
+    return _gated_kernel_forward(self, hidden_states, gate, activation=self.activation, round_normalized=True)
+
+
+def glm5_next_rms_norm_gated_forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+    """Glm5NextTextRMSNormGated (Kimi-Linear, BailingHybrid): float32 throughout, times act(gate) (sigmoid in these
+    models) after the norm, one rounding."""
+    return _gated_kernel_forward(self, hidden_states, gate, activation=self.activation)
+
+
 # transformers families: the reference class whose arithmetic defines the family, and the converter.
 FAMILIES: dict[str, tuple[str, str, forward_converter]] = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", forward_converter(llama_rms_norm_forward)),
@@ -173,6 +242,26 @@ FAMILIES: dict[str, tuple[str, str, forward_converter]] = {
         "transformers.models.gemma3n.modeling_gemma3n",
         "Gemma3nRMSNorm",
         forward_converter(gemma3n_rms_norm_forward),
+    ),
+    "mamba2 gated": (
+        "transformers.models.mamba2.modeling_mamba2",
+        "MambaRMSNormGated",
+        forward_converter(mamba_rms_norm_gated_forward),
+    ),
+    "falcon_h1 gated": (
+        "transformers.models.falcon_h1.modeling_falcon_h1",
+        "FalconH1RMSNormGated",
+        forward_converter(falcon_h1_rms_norm_gated_forward),
+    ),
+    "qwen3_next gated": (
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        "Qwen3NextRMSNormGated",
+        forward_converter(qwen3_next_rms_norm_gated_forward),
+    ),
+    "glm5_next gated": (
+        "transformers.models.glm5_next.modeling_glm5_next",
+        "Glm5NextTextRMSNormGated",
+        forward_converter(glm5_next_rms_norm_gated_forward),
     ),
 }
 

@@ -11,7 +11,16 @@ from torch import Tensor, nn
 
 from torch_ln import ops
 
-__all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "forward_converter", "register_norm", "replace_norms"]
+__all__ = [
+    "AddLayerNorm",
+    "AddRMSNorm",
+    "GatedRMSNorm",
+    "LayerNorm",
+    "RMSNorm",
+    "forward_converter",
+    "register_norm",
+    "replace_norms",
+]
 
 
 class _NormOptions:
@@ -103,6 +112,45 @@ class RMSNorm(_NormOptions, nn.RMSNorm):
             round_normalized=self.round_normalized,
             memory_efficient=self.memory_efficient,
         )
+
+
+class GatedRMSNorm(nn.RMSNorm):
+    """Gated RMSNorm: ``forward(input, gate=None)`` is :func:`torch_ln.gated_rms_norm` (``rms_norm(input) *
+    act(gate)`` or ``rms_norm(input * act(gate))``). Constructor, parameters and state_dict are ``nn.RMSNorm``'s,
+    plus the keywords ``gate_position`` ("after"), ``activation`` ("silu"), ``group_size`` (None: the whole row has
+    one rstd) and ``round_normalized`` (False), which are not part of the state."""
+
+    def __init__(
+        self,
+        *args,
+        gate_position: str = "after",
+        activation: str = "silu",
+        group_size: int | None = None,
+        round_normalized: bool = False,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate_position, self.activation = gate_position, activation
+        self.group_size, self.round_normalized = group_size, bool(round_normalized)
+
+    def forward(self, input: Tensor, gate: Tensor | None = None) -> Tensor:
+        return ops.gated_rms_norm(
+            input,
+            gate,
+            self.normalized_shape,
+            self.weight,
+            self.eps,
+            gate_position=self.gate_position,
+            activation=self.activation,
+            group_size=self.group_size,
+            round_normalized=self.round_normalized,
+        )
+
+    def extra_repr(self) -> str:
+        options = [f"gate_position={self.gate_position!r}", f"activation={self.activation!r}"]
+        options += [f"group_size={self.group_size}"] if self.group_size is not None else []
+        options += ["round_normalized=True"] if self.round_normalized else []
+        return ", ".join([super().extra_repr(), *options])
 
 
 Converter = Callable[[nn.Module], nn.Module]

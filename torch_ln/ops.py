@@ -5,6 +5,7 @@ The schemas live in csrc/norm_ops.cpp; the kernels in csrc/cpu and csrc/cuda.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "empty_output_cache",
+    "gated_rms_norm",
     "layer_norm",
     "output_cache_bytes",
     "qk_rms_norm",
@@ -214,6 +216,44 @@ def qk_rms_norm(
     return rms_norm(q, head_dim, q_weight, eps, **options), rms_norm(k, head_dim, k_weight, eps, **options)
 
 
+def gated_rms_norm(
+    input: Tensor,
+    gate: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    gate_position: str = "after",
+    activation: str = "silu",
+    group_size: int | None = None,
+    round_normalized: bool = False,
+) -> Tensor:
+    """Gated RMS normalization (the hybrid SSM and linear-attention models' ``*RMSNormGated``): with
+    ``gate_position="after"`` ``rms_norm(input) * act(gate)`` (Qwen3-Next, fla's ``FusedRMSNormGated``),
+    ``"before"`` ``rms_norm(input * act(gate))`` (Mamba2's ``y * silu(z)`` then the norm); ``activation`` is
+    ``"silu"`` or ``"sigmoid"``; ``gate=None`` leaves the gate out. act(gate) and its product are computed in float32
+    (float64 for float64 input), as the statistics.
+
+    ``group_size``: each group of that many consecutive elements of a row has its own rstd (Mamba2's ``n_groups``); a
+    divisor of the normalized size. ``eps=None`` is :func:`rms_norm`'s default.
+
+    ``round_normalized`` (Llama's rounding, as :func:`rms_norm`'s): the normalized value is rounded to the input's
+    dtype before the weight multiply, and with a gate after the norm the weighted value too where the weight has the
+    input's dtype (Qwen3-Next's ``weight * x.to(dtype)``, then times the float32 gate). Otherwise float32 throughout,
+    one rounding at the end. :func:`torch_ln.reference.gated_rms_norm` is the arithmetic, in torch ops.
+
+    CPU only for now: the CUDA kernels do not take the gate yet (an error names the device).
+    """
+    if input.device.type != "cpu":
+        raise NotImplementedError(
+            f"torch_ln.gated_rms_norm: expected a CPU input (the CUDA kernels do not take a gate yet), but got "
+            f"input.device={input.device}"
+        )
+    shape = _as_shape(normalized_shape)
+    options = (gate_position, activation, group_size, round_normalized)
+    return _ops.gated_rms_norm_fwd.default(input, gate, shape, weight, eps, *options)[0]
+
+
 def empty_output_cache() -> int:
     """Returns the CPU outputs that torch_ln keeps for reuse (freed y, residual_out and dx of 1 MiB or more, up to
     TORCH_LN_OUTPUT_CACHE_MB, default 256) to the system allocator, and the number of bytes they held."""
@@ -250,6 +290,31 @@ def _(input, normalized_shape, weight, bias, eps, weight_offset=0.0, memory_effi
 @torch.library.register_fake("torch_ln::rms_norm_fwd")
 def _(input, normalized_shape, weight, eps, weight_offset=0.0, round_normalized=False, memory_efficient=False):
     return torch.empty_like(input, memory_format=torch.contiguous_format), _statistics(input, normalized_shape)
+
+
+@torch.library.register_fake("torch_ln::gated_rms_norm_fwd")
+def _(
+    input,
+    gate,
+    normalized_shape,
+    weight,
+    eps,
+    gate_position="after",
+    activation="silu",
+    group_size=None,
+    round_normalized=False,
+):
+    y = torch.empty_like(input, memory_format=torch.contiguous_format)
+    cols = math.prod(normalized_shape)
+    if group_size is None or group_size == cols:
+        return y, _statistics(input, normalized_shape)
+    batch = list(input.shape[: input.dim() - len(normalized_shape)])
+    return y, input.new_empty([*batch, cols // group_size], dtype=reference.accumulation_dtype(input.dtype))
+
+
+@torch.library.register_fake("torch_ln::gated_rms_norm_bwd")
+def _(grad_out, input, gate, normalized_shape, rstd, weight, output_mask, *options):
+    return _fake_grads(input, [gate, weight], output_mask)
 
 
 def _residual_out(input: Tensor, residual_dtype: torch.dtype | None) -> Tensor:
@@ -529,6 +594,54 @@ def _norm_backward_composite(grad_out, input, normalized_shape, weight, bias, ep
 
 # The C++ autograd's (csrc/autograd.cpp) double backward: the same closed form as the Python path's.
 _transforms.LIB.impl("norm_backward_composite", _norm_backward_composite, "CompositeImplicitAutograd")
+
+_GATE_OPTIONS = {"gate_position": "after", "activation": "silu", "group_size": None, "round_normalized": False}
+
+
+def _gated_rms_norm_setup_context(ctx, inputs, output):
+    input, gate, normalized_shape, weight, eps, *options = inputs
+    ctx.normalized_shape, ctx.eps = list(normalized_shape), eps
+    ctx.options = {
+        name: options[i] if i < len(options) else default for i, (name, default) in enumerate(_GATE_OPTIONS.items())
+    }
+    ctx.save_for_backward(input, gate, weight, output[1])
+
+
+def _gated_rms_norm_backward(ctx, grad_out, _grad_rstd):
+    input, gate, weight, rstd = ctx.saved_tensors
+    needs_dx, needs_dgate, _, needs_dweight, *_ = ctx.needs_input_grad
+    if _needs_double_backward(grad_out, input, gate, weight):
+        # Differentiable again: the gradients of the torch-ops reference (the same arithmetic less its roundings),
+        # over rows flattened to the normalized size.
+        grads = _gated_rms_norm_composite_grads(ctx, grad_out, input, gate, weight)
+    else:
+        mask = [needs_dx, needs_dgate and gate is not None, needs_dweight and weight is not None]
+        grads = _ops.gated_rms_norm_bwd(
+            grad_out, input, gate, ctx.normalized_shape, rstd, weight, mask, *ctx.options.values()
+        )
+    dx, dgate, dweight = (g if wanted else None for g, wanted in zip(grads, (needs_dx, needs_dgate, needs_dweight)))
+    return dx, dgate, None, dweight, None, None, None, None, None
+
+
+def _gated_rms_norm_composite_grads(ctx, grad_out, input, gate, weight):
+    rows = input.flatten(input.dim() - len(ctx.normalized_shape))
+    with torch.enable_grad():
+        inputs = [t for t in (input, gate, weight) if t is not None and t.requires_grad]
+        y = reference.gated_rms_norm(
+            rows,
+            None if gate is None else gate.reshape(rows.shape),
+            None if weight is None else weight.reshape(-1),
+            ctx.eps,
+            **ctx.options,
+        )
+        found = torch.autograd.grad(y, inputs, grad_out.reshape(y.shape), create_graph=True, allow_unused=True)
+    by_tensor = dict(zip(map(id, inputs), found))
+    return [by_tensor.get(id(t)) if t is not None else None for t in (input, gate, weight)]
+
+
+torch.library.register_autograd(
+    "torch_ln::gated_rms_norm_fwd", _gated_rms_norm_backward, setup_context=_gated_rms_norm_setup_context
+)
 
 # As torch.library.register_autograd, plus what torch.func needs (jvp, batching): see torch_ln/_transforms.py.
 _transforms.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)

@@ -94,8 +94,8 @@ GATE_ACTIVATIONS = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
 def gated_rms_norm(
     input: Tensor,
     gate: Tensor | None,
-    weight: Tensor,
-    eps: float,
+    weight: Tensor | None,
+    eps: float | None,
     *,
     gate_position: str = "after",
     activation: str = "silu",
@@ -107,7 +107,7 @@ def gated_rms_norm(
 
     - ``gate_position="before"``: rmsnorm(x * act(z)) (Mamba2, FalconH1 with norm_before_gate=False); ``"after"``:
       rmsnorm(x) * act(z) (Qwen3-Next, GLM5-Next, FalconH1's default, fla's FusedRMSNormGated). act(z) and its
-      product are float32's; ``gate=None``: no gate.
+      product are float32's (float64's for float64 input); ``gate=None``: no gate.
     - ``group_size``: each group of that many elements of the row has its own rstd (Mamba2's n_groups).
     - the rstd of each group is rsqrt(mean(h^2) + eps) of the float32 values.
     - ``round_normalized=False``: float32 throughout (the weight converted), rounded to x's dtype once at the end.
@@ -115,16 +115,21 @@ def gated_rms_norm(
       (Llama's rounding); a gate after it multiplies in float32 and the result is rounded to x's dtype; without one
       the product is returned as it is (Mamba2: a float32 weight gives a float32 output).
 
-    Not yet an operator: the kernels (issue 38) are to follow these forms bit for bit."""
+    torch_ln.gated_rms_norm computes these forms (tests/test_gated_norm.py)."""
     dtype, act = input.dtype, GATE_ACTIVATIONS[activation]
-    h = input.float()
+    acc = accumulation_dtype(dtype)
+    eps = default_rms_eps(dtype) if eps is None else eps
+    h = input.to(acc)
     if gate is not None and gate_position == "before":
-        h = h * act(gate.float())
+        h = h * act(gate.to(acc))
     groups = h.unflatten(-1, (-1, group_size or h.shape[-1]))
     normalized = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
-    out = weight * normalized.to(dtype) if round_normalized else weight.float() * normalized
+    if round_normalized:
+        out = normalized.to(dtype) if weight is None else weight * normalized.to(dtype)
+    else:
+        out = normalized if weight is None else weight.to(acc) * normalized
     if gate is not None and gate_position == "after":
-        return (out * act(gate.float())).to(dtype)
+        return (out * act(gate.to(acc))).to(dtype)
     return out if round_normalized else out.to(dtype)
 
 

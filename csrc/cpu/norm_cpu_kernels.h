@@ -202,6 +202,61 @@ struct NormCpu {
     return dy;
   }
 
+  // ---- the gate of a gated RMSNorm (GateArgs) ----
+
+  // A row's (or group's) gate z: act(z) and its slope d act / dz, in acc_t, as torch computes them in float32:
+  // silu(z) = z / (1 + exp(-z)), sigmoid(z) = 1 / (1 + exp(-z)), silu' = s (1 + z (1 - s)), sigmoid' = s (1 - s).
+  struct RowGate {
+    const T* z;  // from the row's (group's) first element; null: no gate
+    bool before;
+    GateActivation activation;
+
+    bool gates_input() const { return z != nullptr && before; }
+    bool gates_output() const { return z != nullptr && !before; }
+
+    // act(z) of elements [j, j + c), and with `slope`, its derivative (else left unset).
+    Group<A> act(int64_t j, int64_t c, Group<A>* slope = nullptr) const {
+      Group<A> v = load_group<A>(z + j, c);
+      const VA one(A(1));
+      for (const auto i : c10::irange(kU)) {
+        const VA denominator = one + v[i].neg().exp();
+        const VA s = one / denominator;
+        if (slope != nullptr) {
+          (*slope)[i] = activation == GateActivation::Silu ? s * (one + v[i] * (one - s)) : s * (one - s);
+        }
+        v[i] = activation == GateActivation::Silu ? v[i] / denominator : s;
+      }
+      return v;
+    }
+
+    // v *= act(z) over elements [j, j + c).
+    void multiply(Group<A>& v, int64_t j, int64_t c) const {
+      const Group<A> a = act(j, c);
+      for (const auto i : c10::irange(kU)) v[i] = v[i] * a[i];
+    }
+  };
+
+  // A gated norm's groups: `size` elements each (the row when ungrouped), `count` a row.
+  struct Groups {
+    int64_t size, count;
+    Groups(const GateArgs& gate, int64_t D) : size(gate.group_size > 0 ? gate.group_size : D), count(D / size) {}
+
+    // f(begin, n, group) over the pieces of columns [j0, j0 + n) that lie in one group each.
+    template <typename F>
+    void for_each(int64_t j0, int64_t n, const F& f) const {
+      for (int64_t j = j0; j < j0 + n;) {
+        const int64_t group = j / size, end = std::min(j0 + n, (group + 1) * size);
+        f(j, end - j, group);
+        j = end;
+      }
+    }
+  };
+
+  // Whether a gate after the norm multiplies the weighted value in the input's dtype (rounded to it) under
+  // Llama-style rounding: when that product is in the input's dtype, i.e. the weight has it (or there is none).
+  template <bool HasW>
+  static constexpr bool kRoundsWeighted = !HasW || std::is_same_v<W, T>;
+
   // ---- forward ----
 
   static void forward(const ForwardArgs& a) {
@@ -244,6 +299,7 @@ struct NormCpu {
     Kept* kept;
     bool streaming;    // how h is written
     int64_t next_row;  // elements from this row to the next one this thread normalizes; 0: none
+    RowGate gate;      // a gate before the norm multiplies the row as it is read (in each pass: no row kept)
 
     // Requests the next row's elements [j, j + kStep) from memory while this one is normalized from cache.
     void prefetch_next(int64_t j) const {
@@ -263,13 +319,16 @@ struct NormCpu {
         if (kept != h) store_packed(kept + j, rounded, c);
         v = unpack<A, R>(rounded);
       }
+      if (gate.gates_input()) gate.multiply(v, j, c);
       return v;
     }
 
     // The same elements in a later pass.
     Group<A> load(int64_t j, int64_t c) const {
       if constexpr (HasRes) return load_group<A>(kept + j, c);
-      return load_group<A>(x + j, c);
+      Group<A> v = load_group<A>(x + j, c);
+      if (gate.gates_input()) gate.multiply(v, j, c);
+      return v;
     }
 
     // The first element, as load gives it.
@@ -277,7 +336,9 @@ struct NormCpu {
       if constexpr (HasRes) {
         return static_cast<A>(static_cast<R>(static_cast<A>(x[0]) + static_cast<A>(residual[0])));
       } else {
-        return static_cast<A>(x[0]);
+        A first[Vectorized<A>::size()];
+        load(0, 1)[0].store(first);
+        return first[0];
       }
     }
   };
@@ -300,6 +361,8 @@ struct NormCpu {
     const bool round = a.rounding.round_normalized;
     const bool prefetch = D * static_cast<int64_t>(sizeof(T) + (HasRes ? sizeof(R) : 0)) <= kPrefetchRowBytes;
     const double offset = a.rounding.weight_offset;
+    const T* z = a.gate.z.defined() ? a.gate.z.const_data_ptr<T>() : nullptr;
+    const Groups groups(a.gate, D);
     at::parallel_for(0, a.rows, std::max<int64_t>(1, kGrainElements / D), [&](int64_t begin, int64_t end) {
       // h itself where it is written through the cache, else a per-thread row.
       const ThreadRow<typename InputRow<HasRes>::Kept, RowUse::kKept> kept_row(
@@ -317,16 +380,21 @@ struct NormCpu {
       // The task's rows, with the weight and bias read through pointers of type P (W widened, or acc_t).
       const auto normalize_rows = [&](const auto* w, const auto* b) {
         for (const auto r : c10::irange(begin, end)) {
-          const InputRow<HasRes> in{x + x_rows.offset(r),
-                                    HasRes ? residual + r * D : nullptr,
-                                    HasRes ? h + r * D : nullptr,
-                                    kept(r),
-                                    streaming,
-                                    r + 1 < end && prefetch ? x_rows.offset(r + 1) - x_rows.offset(r) : 0};
           // Quantized, y is read back from cache at once: written through the cache, not streamed past it.
           T* const y_row = y != nullptr ? y + r * D : quantized_row.data();
-          forward_row<HasW, HasB>(in, y_row, w, b, D, eps, kCentered ? &mean[r] : nullptr, rstd[r],
-                                  streaming && !quantize.has_value(), round);
+          // Each group of a grouped gated norm is normalized as a row of its own (else one group: the row).
+          groups.for_each(0, D, [&](int64_t j0, int64_t n, int64_t group) {
+            const InputRow<HasRes> in{x + x_rows.offset(r) + j0,
+                                      HasRes ? residual + r * D + j0 : nullptr,
+                                      HasRes ? h + r * D + j0 : nullptr,
+                                      kept(r) == nullptr ? nullptr : kept(r) + j0,
+                                      streaming,
+                                      r + 1 < end && prefetch ? x_rows.offset(r + 1) - x_rows.offset(r) : 0,
+                                      {z == nullptr ? nullptr : z + r * D + j0, a.gate.before, a.gate.activation}};
+            forward_row<HasW, HasB>(in, y_row + j0, HasW ? w + j0 : w, HasB ? b + j0 : b, n, eps,
+                                    kCentered ? &mean[r] : nullptr, rstd[r * groups.count + group],
+                                    streaming && !quantize.has_value(), round);
+          });
           if (quantize.has_value()) (*quantize)(y_row, r, D);
         }
       };
@@ -455,12 +523,13 @@ struct NormCpu {
         in.prefetch_next(j);
         return reload(j, c);
       };
-      write_row<HasW, HasB>(reload_prefetching, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
+      write_row<HasW, HasB>(reload_prefetching, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round,
+                            in.gate);
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
         const auto [mean, sum_sq] = row_moments(in, D);
-        write_row<HasW, HasB>(load, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round);
+        write_row<HasW, HasB>(load, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round, in.gate);
         return;
       }
       normalize_reading(load, false);  // RMSNorm: one statistics pass at any length
@@ -471,11 +540,11 @@ struct NormCpu {
     }
   }
 
-  // Stores the statistics and writes y = normalized row * w + b; `load`
+  // Stores the statistics and writes y = normalized row * w + b (times act(z) with a gate after it); `load`
   // gives the row as acc_t. `round`: the normalized row is rounded to T before the weight multiply.
   template <bool HasW, bool HasB, typename Load, typename P>
   static void write_row(const Load& load, T* y, const P* w, const P* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
-                        A& rstd_out, bool streaming, bool round) {
+                        A& rstd_out, bool streaming, bool round, const RowGate& gate) {
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
     if constexpr (kCentered) *mean_out = mean;
     rstd_out = rstd;
@@ -492,6 +561,10 @@ struct NormCpu {
           } else {
             round_to_input_if(v, round);
             v = times_weight<HasW>(v, w + j, c);
+            if (gate.gates_output()) {
+              round_to_input_if(v, round && kRoundsWeighted<HasW>);
+              gate.multiply(v, j, c);
+            }
           }
           store_output<A>(y + j, v, c, streaming);
         },
@@ -500,9 +573,11 @@ struct NormCpu {
 
   // ---- backward ----
 
+  // WantDx: the input's gradient is computed (for dx, or for a gate before the norm, for dgate).
   static void backward(const BackwardArgs& a) {
+    const bool want_dx = a.dx.defined() || (a.dgate.defined() && a.gate.before);
     with_flag(a.weight.defined(),
-              [&](auto has_w) { with_flag(a.dx.defined(), [&](auto want_dx) { backward_rows<has_w, want_dx>(a); }); });
+              [&](auto has_w) { with_flag(want_dx, [&](auto wants) { backward_rows<has_w, wants>(a); }); });
   }
 
   // Row chunks of the backward: at least kMinChunks for parallelism, more for large M while each keeps
@@ -553,7 +628,12 @@ struct NormCpu {
           streaming(a.dx.defined() &&
                     use_streaming_stores(a.dy.nbytes() + a.x.nbytes() + a.dx.nbytes() +
                                          (a.grad_residual_out.defined() ? a.grad_residual_out.nbytes() : 0))),
-          round(a.rounding.round_normalized) {}
+          round(a.rounding.round_normalized),
+          z(a.gate.z.defined() ? a.gate.z.const_data_ptr<T>() : nullptr),
+          dz(a.dgate.defined() ? a.dgate.mutable_data_ptr<T>() : nullptr),
+          gate_before(a.gate.before),
+          activation(a.gate.activation),
+          groups(a.gate, a.cols) {}
     int64_t D;
     const T* dy;
     const R* x;
@@ -568,6 +648,31 @@ struct NormCpu {
     const A* inv_w;
     bool streaming;
     bool round;  // Llama-style rounding (RoundingOptions::round_normalized)
+    const T* z;  // a gated norm's gate (null: none) and its gradient (null: not wanted)
+    T* dz;
+    bool gate_before;
+    GateActivation activation;
+    Groups groups;
+
+    RowGate gate(int64_t r, int64_t j0) const {
+      return {z == nullptr ? nullptr : z + r * D + j0, gate_before, activation};
+    }
+    // The rstd of row r's group that holds column j0.
+    A rstd_of(int64_t r, int64_t j0) const { return rstd[r * groups.count + j0 / groups.size]; }
+
+    // A step of a gated row as the norm saw it: dy becomes the weighted value's gradient dy * act(z) with a gate
+    // after the norm (rounded to T where that value is: autograd's dtype cast), x becomes h = x * act(z) with a gate
+    // before it. `act`, if given, receives act(z), and `slope` its derivative. Nothing to do without a gate.
+    template <bool HasW>
+    void apply_gate(const RowGate& gate, Group<A>& dy, Group<A>& x, int64_t j, int64_t c, Group<A>* act = nullptr,
+                    Group<A>* slope = nullptr) const {
+      if (gate.z == nullptr) return;
+      const Group<A> a = gate.act(j, c, slope);
+      Group<A>& gated = gate.before ? x : dy;
+      for (const auto i : c10::irange(kU)) gated[i] = gated[i] * a[i];
+      if (!gate.before) round_to_input_if(dy, round && kRoundsWeighted<HasW>);
+      if (act != nullptr) *act = a;
+    }
 
     // g = dy * w, rounded to T under Llama-style rounding (autograd's dtype cast passes the gradient on in T).
     template <bool HasW>
@@ -622,10 +727,12 @@ struct NormCpu {
       for (const auto chunk : c10::irange(chunk_begin, chunk_end)) {
         const int64_t row_begin = chunk * M / chunks, row_end = (chunk + 1) * M / chunks;
         for (const auto r : c10::irange(row_begin, row_end)) {
-          const auto [g_mean, gx_mean] = gradient_means<HasW, WantDx>(rows, r);
-          backward_columns<HasW, WantDx>(rows, r, 0, D, g_mean, gx_mean, dw_part ? dw_part + chunk * D : nullptr,
-                                         db_part ? db_part + chunk * D : nullptr, r == row_begin,
-                                         prefetch && r + 1 < row_end);
+          rows.groups.for_each(0, D, [&](int64_t j0, int64_t n, int64_t /*group*/) {
+            const auto [g_mean, gx_mean] = gradient_means<HasW, WantDx>(rows, r, j0, n);
+            backward_columns<HasW, WantDx>(
+                rows, r, j0, n, g_mean, gx_mean, dw_part ? dw_part + chunk * D + j0 : nullptr,
+                db_part ? db_part + chunk * D + j0 : nullptr, r == row_begin, prefetch && r + 1 < row_end);
+          });
         }
       }
       finish_streaming(rows.streaming);
@@ -698,10 +805,15 @@ struct NormCpu {
   template <bool HasW, bool WantDx>
   static void backward_by_columns(const BackwardArgs& a, const Rows& rows) {
     const int64_t M = a.rows, D = a.cols;
-    std::vector<std::pair<A, A>> means(M);
+    const Groups& groups = rows.groups;
+    std::vector<std::pair<A, A>> means(M * groups.count);  // per row and group
     if constexpr (WantDx) {
       at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-        for (const auto r : c10::irange(begin, end)) means[r] = gradient_means<HasW, WantDx>(rows, r);
+        for (const auto r : c10::irange(begin, end)) {
+          groups.for_each(0, D, [&](int64_t j0, int64_t n, int64_t group) {
+            means[r * groups.count + group] = gradient_means<HasW, WantDx>(rows, r, j0, n);
+          });
+        }
       });
     }
     W* dweight = a.dweight.defined() ? a.dweight.template mutable_data_ptr<W>() : nullptr;
@@ -712,8 +824,11 @@ struct NormCpu {
       for (const auto block : c10::irange(block_begin, block_end)) {
         const int64_t j0 = block * kColumnBlock, n = std::min(kColumnBlock, D - j0);
         for (const auto r : c10::irange(M)) {
-          backward_columns<HasW, WantDx>(rows, r, j0, n, means[r].first, means[r].second, dweight ? dw_sum : nullptr,
-                                         dbias ? db_sum : nullptr, r == 0, false);
+          groups.for_each(j0, n, [&](int64_t j, int64_t piece, int64_t group) {
+            const auto [g_mean, gx_mean] = means[r * groups.count + group];
+            backward_columns<HasW, WantDx>(rows, r, j, piece, g_mean, gx_mean, dweight ? dw_sum + (j - j0) : nullptr,
+                                           dbias ? db_sum + (j - j0) : nullptr, r == 0, false);
+          });
         }
         for (const auto& [sum, out] : {std::pair{dw_sum, dweight}, std::pair{db_sum, dbias}}) {
           if (out != nullptr) copy_row(sum, out + j0, n);
@@ -723,34 +838,38 @@ struct NormCpu {
     });
   }
 
-  // mean(g) and mean(g * xhat) of row r, g = dy * w (RMSNorm: mean(g) unused, 0). Zero when dx is not wanted.
+  // mean(g) and mean(g * xhat) of row r's columns [j0, j0 + n) (the row, or a group of a grouped gated norm), g = dy
+  // * w (RMSNorm: mean(g) unused, 0). Zero when dx is not wanted.
   template <bool HasW, bool WantDx>
-  static std::pair<A, A> gradient_means(const Rows& rows, int64_t r) {
+  static std::pair<A, A> gradient_means(const Rows& rows, int64_t r, int64_t j0, int64_t n) {
     if constexpr (!WantDx) {
       return {A(0), A(0)};
     } else {
-      const int64_t D = rows.D;
-      const T* dy = rows.dy + r * D;
-      const R* x = rows.x + rows.x_rows.offset(r);
+      const T* dy = rows.dy + r * rows.D + j0;
+      const R* x = rows.x + rows.x_rows.offset(r) + j0;
+      const RowGate gate = rows.gate(r, j0);
       const A mean = rows.mean_of(r);
-      const auto sums = row_sums<A, 2>(D, [&](int64_t j, int64_t c) {
-        Sums<A, 2> t{rows.template weighted<HasW>(load_group<A>(dy + j, c), j, c), load_group<A>(x + j, c)};
+      const auto sums = row_sums<A, 2>(n, [&](int64_t j, int64_t c) {
+        Group<A> dyv = load_group<A>(dy + j, c), xv = load_group<A>(x + j, c);
+        rows.template apply_gate<HasW>(gate, dyv, xv, j, c);
+        Sums<A, 2> t{rows.template weighted<HasW>(dyv, j0 + j, c), xv};
         if (rows.from_output) {  // g * xhat, xhat recovered from y
-          t[1] = rows.xhat(t[1], j, c, mean, A(1));
+          t[1] = rows.xhat(t[1], j0 + j, c, mean, A(1));
           for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * t[1][i];
         } else {  // g * (x - mean), times rstd once the row is summed
           for (const auto i : c10::irange(kU)) t[1][i] = t[0][i] * (kCentered ? t[1][i] - VA(mean) : t[1][i]);
         }
         return t;
       });
-      return {kCentered ? sums[0] / D : A(0), sums[1] * (rows.from_output ? A(1) : rows.rstd[r]) / D};
+      return {kCentered ? sums[0] / n : A(0), sums[1] * (rows.from_output ? A(1) : rows.rstd_of(r, j0)) / n};
     }
   }
 
-  // Columns [j0, j0 + n) of row r: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ grad_residual_out) with
-  // g = dy * w, and the row's
-  // dweight (dy * xhat) and dbias (dy) terms added to dw_sum / db_sum (null when not wanted; indexed from j0), which
-  // the first row initializes.
+  // Columns [j0, j0 + n) of row r (within one group of a grouped gated norm): dx = rstd * (g - mean(g) - xhat *
+  // mean(g * xhat)) (+ grad_residual_out) with g = dy * w, and the row's dweight (dy * xhat) and dbias (dy) terms
+  // added to dw_sum / db_sum (null when not wanted; indexed from j0), which the first row initializes. With a gate:
+  // after the norm, dy is dy * act(z) and dz = dy * (weighted value) * act'(z); before it, x is h = x * act(z), the
+  // input's gradient dh becomes dx = dh * act(z) and dz = dh * x * act'(z).
   template <bool HasW, bool WantDx>
   TORCH_LN_FLATTEN static void backward_columns(const Rows& rows, int64_t r, int64_t j0, int64_t n, A g_mean, A gx_mean,
                                                 A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
@@ -758,9 +877,11 @@ struct NormCpu {
     const T* dy = rows.dy + r * D + j0;
     const R* x = rows.x + rows.x_rows.offset(r) + j0;
     const int64_t next_x = prefetch_next ? rows.x_rows.offset(r + 1) - rows.x_rows.offset(r) : 0;
-    R* dx = WantDx ? rows.dx + r * D + j0 : nullptr;
+    R* dx = rows.dx != nullptr ? rows.dx + r * D + j0 : nullptr;
     const R* extra = WantDx && rows.grad_residual_out != nullptr ? rows.grad_residual_out + r * D + j0 : nullptr;
-    const A mean = rows.mean_of(r), rstd = rows.rstd[r];
+    const A mean = rows.mean_of(r), rstd = rows.rstd_of(r, j0);
+    const RowGate gate = rows.gate(r, j0);
+    T* dz = rows.dz != nullptr ? rows.dz + r * D + j0 : nullptr;
     for_each_step<A>(
         n,
         [&](int64_t j, int64_t c) {
@@ -768,8 +889,10 @@ struct NormCpu {
             prefetch_step<A>(dy + D + j);
             prefetch_step<A>(x + next_x + j);
           }
-          const Group<A> dyv = load_group<A>(dy + j, c);
-          const Group<A> xhat = rows.xhat(load_group<A>(x + j, c), j0 + j, c, mean, rstd);
+          const Group<A> raw_dy = load_group<A>(dy + j, c), raw_x = load_group<A>(x + j, c);
+          Group<A> dyv = raw_dy, xv = raw_x, act, slope;
+          rows.template apply_gate<HasW>(gate, dyv, xv, j, c, &act, dz != nullptr ? &slope : nullptr);
+          const Group<A> xhat = rows.xhat(xv, j0 + j, c, mean, rstd);
           if constexpr (WantDx) {
             Group<A> g = rows.template weighted<HasW>(dyv, j0 + j, c);
             for (const auto i : c10::irange(kU)) {
@@ -779,7 +902,18 @@ struct NormCpu {
               const Group<A> e = load_group<A>(extra + j, c);
               for (const auto i : c10::irange(kU)) g[i] = g[i] + e[i];
             }
-            store_output<A>(dx + j, g, c, rows.streaming);
+            if (gate.gates_input()) {  // g is dh: dz = dh * x * act'(z), dx = dh * act(z)
+              if (dz != nullptr) store_gate_gradient(dz + j, g, raw_x, slope, c);
+              for (const auto i : c10::irange(kU)) g[i] = g[i] * act[i];
+            }
+            if (dx != nullptr) store_output<A>(dx + j, g, c, rows.streaming);
+          }
+          if (dz != nullptr && gate.gates_output()) {  // the weighted value, as the forward rounded it
+            Group<A> weighted = xhat;
+            round_to_input_if(weighted, rows.round);
+            weighted = times_weight<HasW>(weighted, rows.w + j0 + j, c);
+            round_to_input_if(weighted, rows.round && kRoundsWeighted<HasW>);
+            store_gate_gradient(dz + j, raw_dy, weighted, slope, c);
           }
           if (dw_sum != nullptr) {
             const Group<A> term = rows.weight_term(dyv, xhat);
@@ -788,6 +922,12 @@ struct NormCpu {
           if (db_sum != nullptr) accumulate(db_sum + j, c, first, [&](int i) { return dyv[i]; });
         },
         rows.streaming ? elements_to_alignment(dx) : 0);
+  }
+
+  // dz[0, c) = grad * value * slope: a gate's gradient.
+  static void store_gate_gradient(T* dz, const Group<A>& grad, const Group<A>& value, Group<A> slope, int64_t c) {
+    for (const auto i : c10::irange(kU)) slope[i] = grad[i] * value[i] * slope[i];
+    store_group<A>(dz, slope, c);
   }
 
   // part[0, c) = term (first row of a chunk) or part + term.

@@ -88,6 +88,24 @@ bool check_on(const at::Device device) {
   ok &= report("add_rms_norm_quant y" + on, quant.y, y_plain, 0);
   ok &= report("add_rms_norm_quant scales" + on, quant.scale, scales, 0);
   ok &= report("add_rms_norm_quant q" + on, quant.q.to(at::kFloat), q.to(at::kFloat), 0);
+
+  // A gated RMSNorm (CPU kernels only, so far): Mamba2's form, rms_norm(x * silu(gate)) in groups of 64, against
+  // LibTorch's composite of it, and its three gradients against LibTorch's autograd of the composite.
+  if (device.is_cpu()) {
+    const int64_t G = 64, W = 3 * G;
+    const auto gx = at::randn({132, W}, options).requires_grad_(), gate = at::randn({132, W}, options).requires_grad_();
+    const auto gweight = weight.narrow(0, 0, W).detach().requires_grad_(), gdy = dy.reshape({-1}).narrow(0, 0, 132 * W);
+    const auto [gated, gated_rstd] = torch_ln::gated_rms_norm_fwd(gx, gate, {W}, gweight, 1e-6, "before", "silu", G);
+    const auto [dgx, dgate, dgweight] = torch_ln::gated_rms_norm_bwd(gdy.view({132, W}), gx, gate, {W}, gated_rstd,
+                                                                     gweight, {true, true, true}, "before", "silu", G);
+    const auto groups = (gx * at::silu(gate)).view({132, 3, G});
+    const auto composite = (groups * at::rsqrt(groups.pow(2).mean(-1, true) + 1e-6)).view({132, W}) * gweight;
+    const auto gated_grads = torch::autograd::grad({composite}, {gx, gate, gweight}, {gdy.view({132, W})});
+    ok &= report("gated_rms_norm_fwd" + on, gated, composite, output_tolerance);
+    ok &= report("gated_rms_norm_bwd grad_input" + on, dgx, gated_grads[0], output_tolerance);
+    ok &= report("gated_rms_norm_bwd grad_gate" + on, dgate, gated_grads[1], output_tolerance);
+    ok &= report("gated_rms_norm_bwd grad_weight" + on, dgweight, gated_grads[2], sum_tolerance);
+  }
   return ok;
 }
 

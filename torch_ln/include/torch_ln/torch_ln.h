@@ -13,6 +13,7 @@
 
 #include <array>
 #include <optional>
+#include <string_view>
 #include <tuple>
 
 #if defined(_WIN32)
@@ -82,6 +83,23 @@ TORCH_LN_API std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& g
                                                              const std::optional<at::Tensor>& weight,
                                                              std::array<bool, 2> output_mask, double weight_offset = 0,
                                                              bool round_normalized = false, bool from_output = false);
+
+// The operator torch_ln::gated_rms_norm_fwd: (output, rstd), rstd per row and group. gate_position "after":
+// rms_norm(input) * act(gate), "before": rms_norm(input * act(gate)); activation "silu" or "sigmoid"; group_size (a
+// divisor of the normalized size): each group of a row has its own rstd. As Python's torch_ln.gated_rms_norm (CPU
+// kernels only, for now).
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor> gated_rms_norm_fwd(
+    const at::Tensor& input, const std::optional<at::Tensor>& gate, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps, std::string_view gate_position = "after",
+    std::string_view activation = "silu", std::optional<int64_t> group_size = std::nullopt,
+    bool round_normalized = false);
+
+// The operator torch_ln::gated_rms_norm_bwd: (grad_input, grad_gate, grad_weight); output_mask in that order.
+TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rms_norm_bwd(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& gate,
+    at::IntArrayRef normalized_shape, const at::Tensor& rstd, const std::optional<at::Tensor>& weight,
+    std::array<bool, 3> output_mask, std::string_view gate_position = "after", std::string_view activation = "silu",
+    std::optional<int64_t> group_size = std::nullopt, bool round_normalized = false);
 
 // The operator torch_ln::add_layer_norm_fwd: (output, residual_out, mean, rstd).
 TORCH_LN_API std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_fwd(
