@@ -38,6 +38,10 @@ def case_bytes(mode: str, M: int, D: int, es: int, ps: int) -> int:
 
 
 def _providers(form: dict) -> dict:
+    # Each case compiles afresh: dynamo's cache of `theirs` would otherwise reach its recompile limit (8) across the
+    # cases and run the rest eagerly.
+    torch._dynamo.reset()
+
     def ours(x, z, w):
         return torch_ln.gated_rms_norm(x, z, x.shape[-1], w, EPS, **form)
 

@@ -97,6 +97,9 @@ def run(args) -> list[dict]:
                     quant = dict(MODES[mode])
                     if quant.pop("scale", False):
                         quant["scale"] = torch.tensor([0.01], device=args.device)
+                    # Each case compiles afresh: dynamo's cache of _two_step's function would otherwise reach its
+                    # recompile limit (8) across the cases and run the rest eagerly.
+                    torch._dynamo.reset()
                     providers = {
                         "torch_ln": _torch_ln(op, out_dtype, quant),
                         "torch": _two_step(op, out_dtype, quant),

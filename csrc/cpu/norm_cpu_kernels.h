@@ -252,6 +252,10 @@ struct NormCpu {
     }
   };
 
+  // Whether these types take a gate (GateArgs): RMSNorm without a row type of its own (which comes with a residual).
+  static constexpr bool kGateable = !kCentered && std::is_same_v<R, T>;
+  static bool is_gated(const GateArgs& gate) { return gate.z.defined() || gate.group_size > 0; }
+
   // Whether a gate after the norm multiplies the weighted value in the input's dtype (rounded to it) under
   // Llama-style rounding: when that product is in the input's dtype, i.e. the weight has it (or there is none).
   template <bool HasW>
@@ -260,12 +264,20 @@ struct NormCpu {
   // ---- forward ----
 
   static void forward(const ForwardArgs& a) {
+    // A gated norm (GateArgs): RMSNorm on rows of the input's dtype, its own instances, so that the plain ones
+    // compile as they did without the gate (a runtime gate check had cost the backward 2x, the forward up to 10%).
+    if constexpr (kGateable) {
+      if (is_gated(a.gate)) {
+        with_flag(a.weight.defined(), [&](auto has_w) { forward_rows<has_w, false, false, true>(a); });
+        return;
+      }
+    }
     const auto with_residual = [&](auto has_res) {
       with_flag(a.weight.defined(), [&](auto has_w) {
         if constexpr (kCentered) {
-          with_flag(a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b, has_res>(a); });
+          with_flag(a.bias.defined(), [&](auto has_b) { forward_rows<has_w, has_b, has_res, false>(a); });
         } else {
-          forward_rows<has_w, false, has_res>(a);
+          forward_rows<has_w, false, has_res, false>(a);
         }
       });
     };
@@ -290,7 +302,7 @@ struct NormCpu {
   // Without a residual, `kept` is the acc_t buffer of converts_once rows (forward_row fills it), else null. (Re-adding
   // and re-rounding in every pass instead, measured on the 2-core dev VM: bfloat16 RMSNorm at D >= 2048 took 1.3-1.6x
   // the unfused pair's CPU time, against 1.0-1.1x so.)
-  template <bool HasRes>
+  template <bool HasRes, bool HasGate = false>
   struct InputRow {
     using Kept = std::conditional_t<HasRes, R, A>;
     const T* x;
@@ -319,7 +331,9 @@ struct NormCpu {
         if (kept != h) store_packed(kept + j, rounded, c);
         v = unpack<A, R>(rounded);
       }
-      if (gate.gates_input()) gate.multiply(v, j, c);
+      if constexpr (HasGate) {
+        if (gate.gates_input()) gate.multiply(v, j, c);
+      }
       return v;
     }
 
@@ -327,7 +341,9 @@ struct NormCpu {
     Group<A> load(int64_t j, int64_t c) const {
       if constexpr (HasRes) return load_group<A>(kept + j, c);
       Group<A> v = load_group<A>(x + j, c);
-      if (gate.gates_input()) gate.multiply(v, j, c);
+      if constexpr (HasGate) {
+        if (gate.gates_input()) gate.multiply(v, j, c);
+      }
       return v;
     }
 
@@ -336,14 +352,13 @@ struct NormCpu {
       if constexpr (HasRes) {
         return static_cast<A>(static_cast<R>(static_cast<A>(x[0]) + static_cast<A>(residual[0])));
       } else {
-        A first[Vectorized<A>::size()];
-        load(0, 1)[0].store(first);
-        return first[0];
+        static_assert(!HasGate, "LayerNorm only: no gate");
+        return static_cast<A>(x[0]);
       }
     }
   };
 
-  template <bool HasW, bool HasB, bool HasRes>
+  template <bool HasW, bool HasB, bool HasRes, bool HasGate>
   static void forward_rows(const ForwardArgs& a) {
     const int64_t D = a.cols;
     const T* x = a.x.const_data_ptr<T>();
@@ -384,13 +399,14 @@ struct NormCpu {
           T* const y_row = y != nullptr ? y + r * D : quantized_row.data();
           // Each group of a grouped gated norm is normalized as a row of its own (else one group: the row).
           groups.for_each(0, D, [&](int64_t j0, int64_t n, int64_t group) {
-            const InputRow<HasRes> in{x + x_rows.offset(r) + j0,
-                                      HasRes ? residual + r * D + j0 : nullptr,
-                                      HasRes ? h + r * D + j0 : nullptr,
-                                      kept(r) == nullptr ? nullptr : kept(r) + j0,
-                                      streaming,
-                                      r + 1 < end && prefetch ? x_rows.offset(r + 1) - x_rows.offset(r) : 0,
-                                      {z == nullptr ? nullptr : z + r * D + j0, a.gate.before, a.gate.activation}};
+            const InputRow<HasRes, HasGate> in{
+                x + x_rows.offset(r) + j0,
+                HasRes ? residual + r * D + j0 : nullptr,
+                HasRes ? h + r * D + j0 : nullptr,
+                kept(r) == nullptr ? nullptr : kept(r) + j0,
+                streaming,
+                r + 1 < end && prefetch ? x_rows.offset(r + 1) - x_rows.offset(r) : 0,
+                {z == nullptr ? nullptr : z + r * D + j0, a.gate.before, a.gate.activation}};
             forward_row<HasW, HasB>(in, y_row + j0, HasW ? w + j0 : w, HasB ? b + j0 : b, n, eps,
                                     kCentered ? &mean[r] : nullptr, rstd[r * groups.count + group],
                                     streaming && !quantize.has_value(), round);
@@ -486,9 +502,9 @@ struct NormCpu {
     return {shift + mean, m2};
   }
 
-  template <bool HasW, bool HasB, bool HasRes, typename P>
-  TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes>& in, T* y, const P* w, const P* b, int64_t D, A eps,
-                                           A* mean_out, A& rstd_out, bool streaming, bool round) {
+  template <bool HasW, bool HasB, bool HasRes, bool HasGate, typename P>
+  TORCH_LN_FLATTEN static void forward_row(const InputRow<HasRes, HasGate>& in, T* y, const P* w, const P* b, int64_t D,
+                                           A eps, A* mean_out, A& rstd_out, bool streaming, bool round) {
     // The first pass over a row reads it through in.load_first; the later ones through `reload`: in.load, or for
     // converts_once rows, in.kept, which the first pass fills, so that each element is converted to acc_t once.
     auto* const converted = in.kept;  // acc_t wherever it is used: converts_once rows have no residual
@@ -523,13 +539,14 @@ struct NormCpu {
         in.prefetch_next(j);
         return reload(j, c);
       };
-      write_row<HasW, HasB>(reload_prefetching, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round,
-                            in.gate);
+      write_row<HasW, HasB, HasGate>(reload_prefetching, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming,
+                                     round, in.gate);
     };
     if (D * static_cast<int64_t>(sizeof(A)) > kTwoPassRowBytes) {
       if constexpr (kCentered) {
         const auto [mean, sum_sq] = row_moments(in, D);
-        write_row<HasW, HasB>(load, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round, in.gate);
+        write_row<HasW, HasB, HasGate>(load, y, w, b, D, eps, mean, sum_sq, mean_out, rstd_out, streaming, round,
+                                       in.gate);
         return;
       }
       normalize_reading(load, false);  // RMSNorm: one statistics pass at any length
@@ -542,7 +559,7 @@ struct NormCpu {
 
   // Stores the statistics and writes y = normalized row * w + b (times act(z) with a gate after it); `load`
   // gives the row as acc_t. `round`: the normalized row is rounded to T before the weight multiply.
-  template <bool HasW, bool HasB, typename Load, typename P>
+  template <bool HasW, bool HasB, bool HasGate, typename Load, typename P>
   static void write_row(const Load& load, T* y, const P* w, const P* b, int64_t D, A eps, A mean, A sum_sq, A* mean_out,
                         A& rstd_out, bool streaming, bool round, const RowGate& gate) {
     const A rstd = A(1) / std::sqrt(sum_sq / D + eps);
@@ -561,9 +578,11 @@ struct NormCpu {
           } else {
             round_to_input_if(v, round);
             v = times_weight<HasW>(v, w + j, c);
-            if (gate.gates_output()) {
-              round_to_input_if(v, round && kRoundsWeighted<HasW>);
-              gate.multiply(v, j, c);
+            if constexpr (HasGate) {
+              if (gate.gates_output()) {
+                round_to_input_if(v, round && kRoundsWeighted<HasW>);
+                gate.multiply(v, j, c);
+              }
             }
           }
           store_output<A>(y + j, v, c, streaming);
@@ -576,8 +595,14 @@ struct NormCpu {
   // WantDx: the input's gradient is computed (for dx, or for a gate before the norm, for dgate).
   static void backward(const BackwardArgs& a) {
     const bool want_dx = a.dx.defined() || (a.dgate.defined() && a.gate.before);
-    with_flag(a.weight.defined(),
-              [&](auto has_w) { with_flag(want_dx, [&](auto wants) { backward_rows<has_w, wants>(a); }); });
+    const auto with_gate = [&](auto has_gate) {
+      with_flag(a.weight.defined(),
+                [&](auto has_w) { with_flag(want_dx, [&](auto wants) { backward_rows<has_w, wants, has_gate>(a); }); });
+    };
+    if constexpr (kGateable) {
+      if (is_gated(a.gate)) return with_gate(std::true_type{});  // instances of their own, as the forward's
+    }
+    with_gate(std::false_type{});
   }
 
   // Row chunks of the backward: at least kMinChunks for parallelism, more for large M while each keeps
@@ -599,13 +624,13 @@ struct NormCpu {
   // Columns a task of the column-split backward sums at a time: their dweight/dbias sums stay in L1.
   static constexpr int64_t kColumnBlock = 2048;
 
-  template <bool HasW, bool WantDx>
+  template <bool HasW, bool WantDx, bool HasGate>
   static void backward_rows(const BackwardArgs& a) {
     const Rows rows{a, as_acc(a.weight, a.rounding.weight_offset)};
     if (a.rows < kMinRowsForChunks) {
-      backward_by_columns<HasW, WantDx>(a, rows);
+      backward_by_columns<HasW, WantDx, HasGate>(a, rows);
     } else {
-      backward_by_row_chunks<HasW, WantDx>(a, rows);
+      backward_by_row_chunks<HasW, WantDx, HasGate>(a, rows);
     }
   }
 
@@ -706,7 +731,7 @@ struct NormCpu {
 
   // Each chunk of rows: per row, the gradient means, then dx and the row's dweight/dbias terms added to the chunk's
   // partial rows; the partials are then summed over chunks in a fixed tree (ChunkTree).
-  template <bool HasW, bool WantDx>
+  template <bool HasW, bool WantDx, bool HasGate>
   static void backward_by_row_chunks(const BackwardArgs& a, const Rows& rows) {
     const int64_t M = a.rows, D = a.cols;
     const int64_t chunks = backward_chunks(M, D);
@@ -728,8 +753,8 @@ struct NormCpu {
         const int64_t row_begin = chunk * M / chunks, row_end = (chunk + 1) * M / chunks;
         for (const auto r : c10::irange(row_begin, row_end)) {
           rows.groups.for_each(0, D, [&](int64_t j0, int64_t n, int64_t /*group*/) {
-            const auto [g_mean, gx_mean] = gradient_means<HasW, WantDx>(rows, r, j0, n);
-            backward_columns<HasW, WantDx>(
+            const auto [g_mean, gx_mean] = gradient_means<HasW, WantDx, HasGate>(rows, r, j0, n);
+            backward_columns<HasW, WantDx, HasGate>(
                 rows, r, j0, n, g_mean, gx_mean, dw_part ? dw_part + chunk * D + j0 : nullptr,
                 db_part ? db_part + chunk * D + j0 : nullptr, r == row_begin, prefetch && r + 1 < row_end);
           });
@@ -802,7 +827,7 @@ struct NormCpu {
 
   // Few rows: the gradient means of every row first (parallel over rows), then dx and dweight/dbias parallel over
   // column blocks, each block's parameter gradients summed over all rows in row order: no partial rows at all.
-  template <bool HasW, bool WantDx>
+  template <bool HasW, bool WantDx, bool HasGate>
   static void backward_by_columns(const BackwardArgs& a, const Rows& rows) {
     const int64_t M = a.rows, D = a.cols;
     const Groups& groups = rows.groups;
@@ -811,7 +836,7 @@ struct NormCpu {
       at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
         for (const auto r : c10::irange(begin, end)) {
           groups.for_each(0, D, [&](int64_t j0, int64_t n, int64_t group) {
-            means[r * groups.count + group] = gradient_means<HasW, WantDx>(rows, r, j0, n);
+            means[r * groups.count + group] = gradient_means<HasW, WantDx, HasGate>(rows, r, j0, n);
           });
         }
       });
@@ -826,8 +851,9 @@ struct NormCpu {
         for (const auto r : c10::irange(M)) {
           groups.for_each(j0, n, [&](int64_t j, int64_t piece, int64_t group) {
             const auto [g_mean, gx_mean] = means[r * groups.count + group];
-            backward_columns<HasW, WantDx>(rows, r, j, piece, g_mean, gx_mean, dweight ? dw_sum + (j - j0) : nullptr,
-                                           dbias ? db_sum + (j - j0) : nullptr, r == 0, false);
+            backward_columns<HasW, WantDx, HasGate>(rows, r, j, piece, g_mean, gx_mean,
+                                                    dweight ? dw_sum + (j - j0) : nullptr,
+                                                    dbias ? db_sum + (j - j0) : nullptr, r == 0, false);
           });
         }
         for (const auto& [sum, out] : {std::pair{dw_sum, dweight}, std::pair{db_sum, dbias}}) {
@@ -840,7 +866,7 @@ struct NormCpu {
 
   // mean(g) and mean(g * xhat) of row r's columns [j0, j0 + n) (the row, or a group of a grouped gated norm), g = dy
   // * w (RMSNorm: mean(g) unused, 0). Zero when dx is not wanted.
-  template <bool HasW, bool WantDx>
+  template <bool HasW, bool WantDx, bool HasGate>
   static std::pair<A, A> gradient_means(const Rows& rows, int64_t r, int64_t j0, int64_t n) {
     if constexpr (!WantDx) {
       return {A(0), A(0)};
@@ -851,7 +877,7 @@ struct NormCpu {
       const A mean = rows.mean_of(r);
       const auto sums = row_sums<A, 2>(n, [&](int64_t j, int64_t c) {
         Group<A> dyv = load_group<A>(dy + j, c), xv = load_group<A>(x + j, c);
-        rows.template apply_gate<HasW>(gate, dyv, xv, j, c);
+        if constexpr (HasGate) rows.template apply_gate<HasW>(gate, dyv, xv, j, c);
         Sums<A, 2> t{rows.template weighted<HasW>(dyv, j0 + j, c), xv};
         if (rows.from_output) {  // g * xhat, xhat recovered from y
           t[1] = rows.xhat(t[1], j0 + j, c, mean, A(1));
@@ -870,7 +896,7 @@ struct NormCpu {
   // added to dw_sum / db_sum (null when not wanted; indexed from j0), which the first row initializes. With a gate:
   // after the norm, dy is dy * act(z) and dz = dy * (weighted value) * act'(z); before it, x is h = x * act(z), the
   // input's gradient dh becomes dx = dh * act(z) and dz = dh * x * act'(z).
-  template <bool HasW, bool WantDx>
+  template <bool HasW, bool WantDx, bool HasGate>
   TORCH_LN_FLATTEN static void backward_columns(const Rows& rows, int64_t r, int64_t j0, int64_t n, A g_mean, A gx_mean,
                                                 A* dw_sum, A* db_sum, bool first, bool prefetch_next) {
     const int64_t D = rows.D;
@@ -889,9 +915,13 @@ struct NormCpu {
             prefetch_step<A>(dy + D + j);
             prefetch_step<A>(x + next_x + j);
           }
-          const Group<A> raw_dy = load_group<A>(dy + j, c), raw_x = load_group<A>(x + j, c);
-          Group<A> dyv = raw_dy, xv = raw_x, act, slope;
-          rows.template apply_gate<HasW>(gate, dyv, xv, j, c, &act, dz != nullptr ? &slope : nullptr);
+          Group<A> dyv = load_group<A>(dy + j, c), xv = load_group<A>(x + j, c);
+          [[maybe_unused]] Group<A> raw_dy, raw_x, act, slope;
+          if constexpr (HasGate) {
+            raw_dy = dyv;
+            raw_x = xv;
+            rows.template apply_gate<HasW>(gate, dyv, xv, j, c, &act, dz != nullptr ? &slope : nullptr);
+          }
           const Group<A> xhat = rows.xhat(xv, j0 + j, c, mean, rstd);
           if constexpr (WantDx) {
             Group<A> g = rows.template weighted<HasW>(dyv, j0 + j, c);
@@ -902,18 +932,24 @@ struct NormCpu {
               const Group<A> e = load_group<A>(extra + j, c);
               for (const auto i : c10::irange(kU)) g[i] = g[i] + e[i];
             }
-            if (gate.gates_input()) {  // g is dh: dz = dh * x * act'(z), dx = dh * act(z)
-              if (dz != nullptr) store_gate_gradient(dz + j, g, raw_x, slope, c);
-              for (const auto i : c10::irange(kU)) g[i] = g[i] * act[i];
+            if constexpr (HasGate) {
+              if (gate.gates_input()) {  // g is dh: dz = dh * x * act'(z), dx = dh * act(z)
+                if (dz != nullptr) store_gate_gradient(dz + j, g, raw_x, slope, c);
+                for (const auto i : c10::irange(kU)) g[i] = g[i] * act[i];
+              }
+              if (dx != nullptr) store_output<A>(dx + j, g, c, rows.streaming);
+            } else {
+              store_output<A>(dx + j, g, c, rows.streaming);
             }
-            if (dx != nullptr) store_output<A>(dx + j, g, c, rows.streaming);
           }
-          if (dz != nullptr && gate.gates_output()) {  // the weighted value, as the forward rounded it
-            Group<A> weighted = xhat;
-            round_to_input_if(weighted, rows.round);
-            weighted = times_weight<HasW>(weighted, rows.w + j0 + j, c);
-            round_to_input_if(weighted, rows.round && kRoundsWeighted<HasW>);
-            store_gate_gradient(dz + j, raw_dy, weighted, slope, c);
+          if constexpr (HasGate) {
+            if (dz != nullptr && gate.gates_output()) {  // the weighted value, as the forward rounded it
+              Group<A> weighted = xhat;
+              round_to_input_if(weighted, rows.round);
+              weighted = times_weight<HasW>(weighted, rows.w + j0 + j, c);
+              round_to_input_if(weighted, rows.round && kRoundsWeighted<HasW>);
+              store_gate_gradient(dz + j, raw_dy, weighted, slope, c);
+            }
           }
           if (dw_sum != nullptr) {
             const Group<A> term = rows.weight_term(dyv, xhat);
