@@ -329,7 +329,9 @@ COMPILED_MODELS = [name for name in GATED_MODELS if name != "qwen4_exp"]
 @pytest.mark.parametrize("name", COMPILED_MODELS)
 def test_tiny_model_compiles_fullgraph(name):
     """torch.compile(fullgraph=True) of the swapped model: no graph breaks (fullgraph raises on one), a gated
-    operator in the graph for every gated norm, and the compiled logits equal the eager ones."""
+    operator in the graph for every gated norm, and the compiled logits equal the eager ones within the float32
+    tolerance table (not bitwise: on torch 2.11, dynamo's graph of the gated-DeltaNet models' own torch code moves
+    their logits by an ulp, 1.2e-7, unswapped as swapped; the gated operator is deterministic)."""
     torch.manual_seed(0)
     model, inputs = GATED_MODELS[name]()
     swapped = torch_ln.replace_norms(model.eval())
@@ -347,7 +349,7 @@ def test_tiny_model_compiles_fullgraph(name):
     gated_ops = sum("torch_ln.gated_rms_norm_fwd" in target for target in targets)
     assert gated_ops == len(_gated_modules(swapped)) > 0, targets
     key = "logits" if hasattr(want, "logits") else "last_hidden_state"
-    torch.testing.assert_close(getattr(got, key), getattr(want, key), atol=0, rtol=0)
+    assert_close_to_torch("y", getattr(got, key), getattr(want, key), torch.float32, rows=1)
 
 
 def test_backward_checks_rstd_per_group():
