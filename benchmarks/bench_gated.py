@@ -1,13 +1,14 @@
 """Benchmarks the gated RMSNorm (torch_ln.gated_rms_norm, issue 38) against the classes' own arithmetic in torch ops
 (torch_ln.reference.gated_rms_norm: what transformers' *RMSNormGated forwards compute), eager and under
 torch.compile, in two forms: Mamba2's (gate before the norm, groups, rounded before the weight) and Qwen3-Next's
-(gate after, rounded before the weight). CPU only for now: the CUDA kernels do not take the gate yet.
+(gate after, rounded before the weight). On the CPU or a CUDA device (`--device cuda`).
 
 Bytes per call (the least any implementation moves, each tensor once; weight and its gradient counted too):
   fwd:      x and gate read, y written                              3 * M * D * elem + D * param
   fwd+bwd:  the forward, then dy, x and gate read, dx and dgate written   8 * M * D * elem + 2 * D * param
 
     python benchmarks/bench_gated.py --out bench_out
+    python benchmarks/bench_gated.py --device cuda --quick --out bench_out
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def run(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", choices=("cpu",))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
         "--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float16", "float32")
     )

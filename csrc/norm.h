@@ -24,7 +24,6 @@ struct RoundingOptions {
 
 // The gate of a gated RMSNorm (norm_ops.h's gated_rms_norm): y = rmsnorm(x * act(z)) (`before`) or rmsnorm(x) * act(z),
 // act(z) and its product in acc_t; the RMS of each group of `group_size` elements of a row apart (Mamba2's n_groups).
-enum class GateActivation : int8_t { Silu, Sigmoid };
 struct GateArgs {
   at::Tensor z;  // [M, D] contiguous, the input's dtype; undefined: no gate
   bool before = false;

@@ -186,7 +186,7 @@ at::Tensor unrequested_grad(const at::Tensor& like) { return at::empty({0}, like
 
 at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) { return t.defined() ? t : unrequested_grad(like); }
 
-std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols) {
+std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols, int64_t groups) {
   const auto copy = [&] { return std::pair{input.contiguous(), RowStrides{cols}}; };
   // Each row's elements contiguous: the normalized dimensions, size-1 ones aside, strided as a contiguous block.
   int64_t expected = 1;
@@ -210,10 +210,14 @@ std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t 
       levels[depth++] = {size, stride};
     }
   }
+  // RowStrides' second level: 32-bit row indices (a grouped norm's kernels' rows: a row per group).
+  const bool narrow = cols == 0 || input.numel() / cols * groups <= std::numeric_limits<uint32_t>::max();
   if (depth == 0) return {input, RowStrides{cols}};
-  if (depth == 1) return {input, RowStrides{levels[0].second}};
-  if (cols > 0 && input.numel() / cols > std::numeric_limits<uint32_t>::max())
-    return copy();  // RowStrides: 32-bit row indices
+  if (depth == 1) {
+    if (groups > 1 && levels[0].second != cols && !narrow) return copy();
+    return {input, RowStrides{levels[0].second}};
+  }
+  if (groups > 1 || !narrow) return copy();
   return {input, RowStrides{levels[0].second, levels[0].first, levels[1].second}};
 }
 

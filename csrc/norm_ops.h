@@ -61,8 +61,10 @@ at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like);
 // The rows of `input` (normalized from dimension `axis` on, `cols` elements a row) as the kernels read them: the
 // input itself where each row's elements are contiguous and its leading dimensions, flattened, are at most two
 // strides deep (a column slice, a chunk, the heads of a packed QKV projection, transposed leading dimensions, a
-// broadcast row), with where each row starts; any other layout as a contiguous copy.
-std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols);
+// broadcast row), with where each row starts; any other layout as a contiguous copy. With `groups` > 1 (a grouped gated
+// norm: the CUDA kernels read its groups as rows a level below the input's, csrc/cuda/launch_common.h kernel_rows),
+// one level at most, 32-bit row indices for the groups' rows where the rows are not contiguous.
+std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t axis, int64_t cols, int64_t groups = 1);
 
 // memory_efficient's backward recovers xhat = y / (weight + offset): a norm with a bias is refused (y - bias cancels,
 // see norm_ops.cpp).
@@ -133,8 +135,8 @@ ForwardOutputs run_forward(NormKind kind, const char* op, const at::Tensor& inpu
   QuantArgs quantized;
   if (quant != nullptr) quantized = prepare_quant(op, *quant, input, s.axis, s.rows, s.cols);
   // The fused add reads x beside the contiguous residual: contiguous too.
-  const auto [x, x_rows] =
-      add.has_value() ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
+  const auto [x, x_rows] = add.has_value() ? std::pair{input.contiguous(), RowStrides{s.cols}}
+                                           : strided_rows(input, s.axis, s.cols, stats_per_row(gate, s.cols));
   const auto stat_opts = input.options().dtype(accumulation_dtype(input.scalar_type()));
   const bool want_y = quant == nullptr || quant->return_unquantized;
   const int64_t groups = stats_per_row(gate, s.cols);
@@ -192,8 +194,8 @@ BackwardOutputs run_backward(NormKind kind, const char* op, const at::Tensor& gr
   } else {
     check_backward_inputs(op, grad_out, input, s, rstd, mean, stats_per_row(gate, s.cols));
   }
-  const auto [x, x_rows] =
-      fused ? std::pair{input.contiguous(), RowStrides{s.cols}} : strided_rows(input, s.axis, s.cols);
+  const auto [x, x_rows] = fused ? std::pair{input.contiguous(), RowStrides{s.cols}}
+                                 : strided_rows(input, s.axis, s.cols, stats_per_row(gate, s.cols));
   BackwardArgs a{grad_out.contiguous(),
                  x,
                  mean.has_value() ? mean->contiguous().view({s.rows}) : at::Tensor(),
@@ -441,7 +443,7 @@ void register_norm_ops(torch::Library& m) {
   m.impl("add_layer_norm_quant", &add_layer_norm_quant<Backend>);
 }
 
-// The gated RMSNorm, which the CPU kernels implement (the CUDA kernels do not yet: issue 38).
+// The gated RMSNorm: the CPU kernels' and the CUDA kernels' GATED instances.
 template <typename Backend>
 void register_gated_norm_ops(torch::Library& m) {
   m.impl("gated_rms_norm_fwd", &gated_rms_norm_fwd<Backend>);

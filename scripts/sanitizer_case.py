@@ -1,4 +1,4 @@
-"""A small CUDA workload for compute-sanitizer: every kernel family and layout, once each, plain and fused."""
+"""A small CUDA workload for compute-sanitizer: every kernel family and layout, once each, plain, fused and gated."""
 
 import torch
 
@@ -42,6 +42,12 @@ for rows, cols, dtype in CASES:
             torch_ln.rms_norm_quant(x, [cols], w)
             torch_ln.add_rms_norm_quant(x, residual, [cols], w, group_size=group, return_unquantized=True)
             torch_ln.layer_norm_quant(x, [cols], w, b, scale=torch.ones(1, device="cuda"), out_dtype=torch.int8)
+        # The gated RMSNorm (its GATED instances): the gate before the norm over groups (each block one group's rows),
+        # and after it, ungrouped.
+        z = torch.randn_like(x, requires_grad=True)
+        group = cols // 4 if cols % 4 == 0 else None
+        torch_ln.gated_rms_norm(x, z, cols, w, gate_position="before", group_size=group).sum().backward()
+        torch_ln.gated_rms_norm(x, z, cols, w, gate_position="after", activation="sigmoid").sum().backward()
         # An unaligned view: the scalar path.
         torch_ln.layer_norm(x.detach().flatten()[1:].view(-1)[: (rows - 1) * cols].view(rows - 1, cols), [cols])
 torch.cuda.synchronize()

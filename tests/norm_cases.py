@@ -326,3 +326,30 @@ def check_against_torch_and_reference(
 
 def rows_of(shape: Sequence[int], normalized_ndim: int) -> int:
     return math.prod(shape[: len(shape) - normalized_ndim])
+
+
+# --------------------------------------------------------------------------------------
+# The gated RMSNorm (tests/test_gated_norm.py on the CPU and CUDA kernels, tests/emulated/test_emulated_gated.py).
+# --------------------------------------------------------------------------------------
+
+# (gate_position, activation, round_normalized): Mamba2's, FalconH1's (both positions), Qwen3-Next's (silu and
+# Qwen4Exp's sigmoid), GLM5-Next's.
+GATED_FORMS = [
+    ("before", "silu", True),
+    ("before", "silu", False),
+    ("after", "silu", False),
+    ("after", "silu", True),
+    ("after", "sigmoid", True),
+    ("after", "sigmoid", False),
+]
+
+
+def gated_inputs(rows, cols, dtype, weight_dtype, with_gate, seed=0, device="cpu"):
+    """(x, z, weight, dy): rows of several magnitudes; gates across silu's and sigmoid's curved range; weights around
+    1, as trained (None for weight_dtype None); z None without a gate."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols, generator=g) * torch.logspace(-1, 1, cols)).to(dtype)
+    z = (torch.randn(rows, cols, generator=g) * 3).to(dtype) if with_gate else None
+    w = (1 + 0.5 * torch.randn(cols, generator=g)).to(weight_dtype) if weight_dtype is not None else None
+    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    return tuple(t if t is None else t.to(device) for t in (x, z, w, dy))

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from gated_models import GATED_CLASSES, GATED_MODELS
-from norm_cases import assert_accuracy, assert_close_to_torch
+from norm_cases import DEVICES, GATED_FORMS, assert_accuracy, assert_close_to_torch, gated_inputs
 from test_gated_norm_reference import CLASSES, OPTIONAL_GATE
 from test_gated_norm_reference import _class as gated_class
 
@@ -35,27 +35,7 @@ GRAD_KIND = {"dx": "dx", "dgate": "dx", "dweight": "dweight"}
 # up; fewer take the column split) with groups; a row longer than the column split's block (2048) with groups that
 # straddle its block boundary (3 groups of 1400); D=1.
 SHAPES = [(1, 64, None), (3, 97, None), (5, 64, 16), (4, 195, 65), (40, 128, 32), (3, 4200, 1400), (6, 1, None)]
-FORMS = [
-    # (gate_position, activation, round_normalized): Mamba2's, FalconH1's (both positions), Qwen3-Next's (silu and
-    # Qwen4Exp's sigmoid), GLM5-Next's.
-    ("before", "silu", True),
-    ("before", "silu", False),
-    ("after", "silu", False),
-    ("after", "silu", True),
-    ("after", "sigmoid", True),
-    ("after", "sigmoid", False),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def _inputs(rows, cols, dtype, weight_dtype, with_gate, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    # Rows of several magnitudes; gates across silu's and sigmoid's curved range; weights around 1, as trained.
-    x = (torch.randn(rows, cols, generator=g) * torch.logspace(-1, 1, cols)).to(dtype)
-    z = (torch.randn(rows, cols, generator=g) * 3).to(dtype) if with_gate else None
-    w = (1 + 0.5 * torch.randn(cols, generator=g)).to(weight_dtype) if weight_dtype is not None else None
-    dy = torch.randn(rows, cols, generator=g).to(dtype)
-    return x, z, w, dy
 
 
 def _run(fn, x, z, w, dy, to=None):
@@ -92,12 +72,13 @@ def _check(x, z, w, dy, dtype, **options):
 
 
 @pytest.mark.parametrize(("rows", "cols", "group_size"), SHAPES)
-@pytest.mark.parametrize(("gate_position", "activation", "round_normalized"), FORMS)
+@pytest.mark.parametrize(("gate_position", "activation", "round_normalized"), GATED_FORMS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_gated_rms_norm_matches_the_reference(
-    rows, cols, group_size, gate_position, activation, round_normalized, dtype
+    rows, cols, group_size, gate_position, activation, round_normalized, dtype, device
 ):
-    x, z, w, dy = _inputs(rows, cols, dtype, dtype, with_gate=True)
+    x, z, w, dy = gated_inputs(rows, cols, dtype, dtype, with_gate=True, device=device)
     _check(
         x,
         z,
@@ -117,7 +98,7 @@ def test_gated_rms_norm_matches_the_reference(
 VARIANTS = [
     (weight_dtype, with_gate, *form)
     for (weight_dtype, with_gate), form in itertools.product(
-        [(torch.float32, True), (None, True), ("input", False)], FORMS
+        [(torch.float32, True), (None, True), ("input", False)], GATED_FORMS
     )
     if not (weight_dtype == torch.float32 and form[0] == "before" and form[2])
 ]
@@ -125,10 +106,12 @@ VARIANTS = [
 
 @pytest.mark.parametrize(("weight_dtype", "with_gate", "gate_position", "activation", "round_normalized"), VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device", DEVICES)
 def test_gated_rms_norm_weight_and_gate_variants(
-    weight_dtype, with_gate, gate_position, activation, round_normalized, dtype
+    weight_dtype, with_gate, gate_position, activation, round_normalized, dtype, device
 ):
-    x, z, w, dy = _inputs(40, 192, dtype, dtype if weight_dtype == "input" else weight_dtype, with_gate)
+    weight_dtype = dtype if weight_dtype == "input" else weight_dtype
+    x, z, w, dy = gated_inputs(40, 192, dtype, weight_dtype, with_gate, device=device)
     _check(
         x,
         z,
@@ -144,7 +127,7 @@ def test_gated_rms_norm_weight_and_gate_variants(
 
 def test_rstd_per_group_and_batch_shape():
     """rstd holds each group's float32 rsqrt(mean(h^2) + eps), in the batch's shape then the groups."""
-    x, z, _, _ = _inputs(6, 96, torch.bfloat16, None, with_gate=True)
+    x, z, _, _ = gated_inputs(6, 96, torch.bfloat16, None, with_gate=True)
     x, z = x.view(2, 3, 96), z.view(2, 3, 96)
     _, rstd = torch.ops.torch_ln.gated_rms_norm_fwd(x, z, [96], None, 1e-6, "before", "silu", 32)
     h = (x.double() * torch.nn.functional.silu(z.double())).unflatten(-1, (3, 32))
@@ -155,18 +138,20 @@ def test_rstd_per_group_and_batch_shape():
     assert rstd.shape == (2, 3, 1)  # ungrouped: aten's statistics shape
 
 
-def test_strided_input_and_gate():
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_input_and_gate(device):
     """x read through its strides (a column slice), the gate made contiguous: as the contiguous call, bitwise."""
-    base = torch.randn(8, 160)
-    x, z = base[:, :96], torch.randn(8, 192)[:, ::2]
+    base = torch.randn(8, 160, device=device)
+    x, z = base[:, :96], torch.randn(8, 192, device=device)[:, ::2]
     got = torch_ln.gated_rms_norm(x, z, 96, None, group_size=32, gate_position="before")
     want = torch_ln.gated_rms_norm(x.contiguous(), z.contiguous(), 96, None, group_size=32, gate_position="before")
     assert torch.equal(got, want)
 
 
-def test_deterministic_and_batch_invariant():
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic_and_batch_invariant(device):
     """A row's output and gradients depend on that row only: the same bits alone and in a batch, run to run."""
-    x, z, w, dy = _inputs(64, 256, torch.bfloat16, torch.bfloat16, with_gate=True)
+    x, z, w, dy = gated_inputs(64, 256, torch.bfloat16, torch.bfloat16, with_gate=True, device=device)
     options = {"group_size": 64, "gate_position": "before", "round_normalized": True}
     full = torch_ln.gated_rms_norm(x, z, 256, w, **options)
     assert torch.equal(full, torch_ln.gated_rms_norm(x, z, 256, w, **options))
@@ -197,9 +182,11 @@ def test_errors_name_the_argument(change, message):
         torch_ln.gated_rms_norm(torch.randn(4, 64), args["gate"], 64, args["weight"], **options)
 
 
-def test_cuda_input_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="the CUDA kernels do not take a gate yet.*input.device=meta"):
-        torch_ln.gated_rms_norm(torch.randn(2, 8, device="meta"), None, 8)
+def test_meta_input_takes_the_fake_kernel():
+    """Shapes without data (the fake kernel: what torch.compile and export trace through), rstd a value per group."""
+    x = torch.randn(2, 3, 8, device="meta")
+    y, rstd = torch.ops.torch_ln.gated_rms_norm_fwd(x, x, [8], None, None, "before", "silu", 4, False)
+    assert (y.shape, y.device, rstd.shape, rstd.dtype) == (x.shape, x.device, (2, 3, 2), torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -221,7 +208,7 @@ def test_gradcheck_float64(gate_position, activation, group_size):
 
 @pytest.mark.parametrize("group_size", [None, 16])
 def test_opcheck(group_size):
-    x, z, w, _ = _inputs(4, 64, torch.float32, torch.float32, with_gate=True)
+    x, z, w, _ = gated_inputs(4, 64, torch.float32, torch.float32, with_gate=True)
     args = (x.requires_grad_(), z.requires_grad_(), [64], w.requires_grad_(), 1e-6, "before", "silu", group_size)
     torch.library.opcheck(torch.ops.torch_ln.gated_rms_norm_fwd.default, args)
 
@@ -233,7 +220,7 @@ def test_module_state_dict_and_compile_fullgraph():
     assert isinstance(norm, torch.nn.RMSNorm)
     assert norm.state_dict().keys() == torch.nn.RMSNorm(64).state_dict().keys()
     assert "group_size=16" in repr(norm)
-    x, z, _, dy = _inputs(6, 64, torch.float32, None, with_gate=True)
+    x, z, _, dy = gated_inputs(6, 64, torch.float32, None, with_gate=True)
     torch._dynamo.reset()
     compiled = torch.compile(norm, fullgraph=True, dynamic=True)
     for module in (norm, compiled):
@@ -292,17 +279,18 @@ def test_tiny_model_swapped_logits_and_gradients(name, dtype):
 @pytest.mark.parametrize("name", list(CLASSES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("weight_dtype", ["input", torch.float32])
-def test_swapped_class_matches_the_class(name, dtype, weight_dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_swapped_class_matches_the_class(name, dtype, weight_dtype, device):
     """Each gated class swapped: its output dtype, and output and gradients by the tolerance table and the accuracy
     rule against the class itself (torch's arithmetic, whose roundings the swap follows) and float64."""
     constructor, form = CLASSES[name]
     norm = gated_class(name)(**constructor, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(3)))
-    norm = norm.to(dtype if weight_dtype == "input" else weight_dtype)
+    norm = norm.to(device, dtype if weight_dtype == "input" else weight_dtype)
     swapped = torch_ln.replace_norms(copy.deepcopy(norm))
     assert type(swapped) is not type(norm) and isinstance(swapped, type(norm))
-    x, z, _, dy = _inputs(40, norm.weight.shape[0], dtype, None, with_gate=True)
+    x, z, _, dy = gated_inputs(40, norm.weight.shape[0], dtype, None, with_gate=True, device=device)
     gates = [z, None] if gated_class(name).__name__ in OPTIONAL_GATE else [z]
     for gate in gates:
 
@@ -354,7 +342,7 @@ def test_tiny_model_compiles_fullgraph(name):
 
 def test_backward_checks_rstd_per_group():
     """The backward's statistics: an entry per row and group; a wrong count is named."""
-    x, z, w, dy = _inputs(4, 96, torch.float32, torch.float32, with_gate=True)
+    x, z, w, dy = gated_inputs(4, 96, torch.float32, torch.float32, with_gate=True)
     _, rstd = torch.ops.torch_ln.gated_rms_norm_fwd(x, z, [96], w, 1e-6, "before", "silu", 32)
     with pytest.raises(ValueError, match=r"expected rstd to have an entry per row and group \(12\).*rstd.numel\(\)=4"):
         torch.ops.torch_ln.gated_rms_norm_bwd(dy, x, z, [96], rstd[:, :1], w, [True, True, True], "before", "silu", 32)

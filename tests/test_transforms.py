@@ -45,6 +45,15 @@ def no_vmap_fallback(capfd):
     assert "batching rule" not in capfd.readouterr().err
 
 
+def _check_vmap_against_samples(f, rows, in_dims, capfd):
+    """f under vmap over the row tensors `rows` (dim in_dims), vs. f run sample by sample, stacked."""
+    with no_vmap_fallback(capfd):
+        got = vmap(f, in_dims=in_dims)(*rows)
+    samples = [f(*(t.select(in_dims, i) for t in rows)) for i in range(rows[0].shape[in_dims])]
+    want = [torch.stack(outputs) for outputs in zip(*samples)]
+    torch.testing.assert_close(list(got), want, **TOL)
+
+
 def _inputs(norm, shape, normalized_ndim, device):
     x = torch.randn(shape, dtype=torch.float64, device=device)
     params = [torch.randn(shape[-normalized_ndim:], dtype=torch.float64, device=device) for _ in norm.params]
@@ -123,11 +132,7 @@ def test_vmap_forward_and_backward_ops(norm, in_dims, device, capfd):
         y, stats = norm.fwd(x, (6,), *params)
         return (y, *stats, *norm.bwd(grad_out, x, (6,), stats, *params))
 
-    with no_vmap_fallback(capfd):
-        got = vmap(fwd_bwd, in_dims=in_dims)(x, grad_out)
-    samples = [fwd_bwd(x.select(in_dims, i), grad_out.select(in_dims, i)) for i in range(4)]
-    want = [torch.stack(outputs) for outputs in zip(*samples)]
-    torch.testing.assert_close(list(got), want, **TOL)
+    _check_vmap_against_samples(fwd_bwd, (x, grad_out), in_dims, capfd)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -284,11 +289,7 @@ def test_vmap_fused_forward_and_backward_ops(norm, in_dims, with_grad_residual_o
         grad_residual_out = grad_residual_out if with_grad_residual_out else None
         return (y, residual_out, *stats, *bwd(grad_out, grad_residual_out, residual_out, [6], *stats, *params, mask))
 
-    with no_vmap_fallback(capfd):
-        got = vmap(fwd_bwd, in_dims=in_dims)(*rows)
-    samples = [fwd_bwd(*(t.select(in_dims, i) for t in rows)) for i in range(4)]
-    want = [torch.stack(outputs) for outputs in zip(*samples)]
-    torch.testing.assert_close(list(got), want, **TOL)
+    _check_vmap_against_samples(fwd_bwd, rows, in_dims, capfd)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -325,3 +326,84 @@ def test_fused_jvp_float32_residual_stream(norm):
     want = jvp(composite, (x, residual), tangents)
     assert [t.dtype for t in got[1]] == [torch.bfloat16, torch.float32]
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The gated RMSNorm: y = rms_norm(x * act(z)) or rms_norm(x) * act(z), groups with their own rstd
+# ------------------------------------------------------------------------------------------------
+
+# (gate_position, activation, group_size): Mamba2's (before, groups of 4 in a row of 12), the sigmoid gate after an
+# ungrouped norm, FalconH1's silu gate after a grouped one.
+GATED_FORMS = [("before", "silu", 4), ("after", "sigmoid", None), ("after", "silu", 6)]
+
+
+def _gated_functions(position, activation, group_size):
+    """(ours, the torch-ops reference) as functions of (x, z, weight)."""
+    options = {"gate_position": position, "activation": activation, "group_size": group_size}
+    return (
+        lambda x, z, w: torch_ln.gated_rms_norm(x, z, 12, w, 1e-5, **options),
+        lambda x, z, w: torch_ln.reference.gated_rms_norm(x, z, w, 1e-5, **options),
+    )
+
+
+def _gated_inputs(shape, device):
+    return [torch.randn(s, dtype=torch.float64, device=device) for s in (shape, shape, shape[-1:])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("position", "activation", "group_size"), GATED_FORMS)
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "jacfwd", "jvp", "hessian"])
+def test_gated_transform_matches_reference(transform, position, activation, group_size, device, capfd):
+    args = _gated_inputs((2, 3, 12), device)
+    ours, theirs = _gated_functions(position, activation, group_size)
+    with no_vmap_fallback(capfd):
+        got, want = _transform_results(transform, ours, theirs, tuple(args), _scalar, torch.randn_like(args[0]))
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("position", "activation", "group_size"), GATED_FORMS)
+@pytest.mark.parametrize("in_dims", [pytest.param(0, id="batch-front"), pytest.param(2, id="inside-normalized")])
+def test_vmap_gated_forward_and_backward_ops(position, activation, group_size, in_dims, device, capfd):
+    """gated_rms_norm_fwd and _bwd under vmap over every row argument (x, z, grad_out), vs. the operators run per
+    sample: the backward's dweight is summed per sample (_gated_norm_param_grads), dx and dgate by the kernels."""
+    options = (position, activation, group_size, False)
+    weight = torch.randn(12, dtype=torch.float64, device=device)
+    rows = [torch.randn(4, 3, 12, dtype=torch.float64, device=device).movedim(0, in_dims) for _ in range(3)]
+
+    def fwd_bwd(x, z, grad_out):
+        y, rstd = torch.ops.torch_ln.gated_rms_norm_fwd(x, z, [12], weight, 1e-5, *options)
+        grads = torch.ops.torch_ln.gated_rms_norm_bwd(grad_out, x, z, [12], rstd, weight, [True] * 3, *options)
+        return y, rstd, *grads
+
+    _check_vmap_against_samples(fwd_bwd, rows, in_dims, capfd)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_per_sample_grads(device, capfd):
+    """vmap(grad) over samples with a shared weight: per-sample gradients of x, z and the weight."""
+    x, z, w = _gated_inputs((5, 4, 12), device)
+    losses = [_scalar(f) for f in _gated_functions("before", "silu", 4)]
+
+    def per_sample(loss):
+        return vmap(grad(loss, argnums=(0, 1, 2)), in_dims=(0, 0, None))
+
+    with no_vmap_fallback(capfd):
+        got = per_sample(losses[0])(x, z, w)
+    torch.testing.assert_close(got, per_sample(losses[1])(x, z, w), **TOL)
+
+
+@pytest.mark.parametrize(("position", "activation", "group_size"), GATED_FORMS)
+def test_gated_rstd_tangent(position, activation, group_size):
+    """jvp of the forward operator's rstd (a value per row and group), vs. finite differences in float64."""
+    x, z, w = _gated_inputs((4, 12), "cpu")
+    tangents = (torch.randn_like(x), torch.randn_like(z))
+
+    def rstd(x, z):
+        return torch.ops.torch_ln.gated_rms_norm_fwd(x, z, [12], w, 1e-5, position, activation, group_size)[1]
+
+    _, got = jvp(rstd, (x, z), tangents)
+    h = 1e-6
+    plus, minus = rstd(x + h * tangents[0], z + h * tangents[1]), rstd(x - h * tangents[0], z - h * tangents[1])
+    # Central differences: error O(h^2) ~ 1e-12 relative, rounding ~ 1e-16 / h = 1e-10.
+    torch.testing.assert_close(got, (plus - minus) / (2 * h), atol=1e-8, rtol=1e-7)

@@ -33,10 +33,13 @@ def _strategy(info: OpInfo, op_schema: OpSchema) -> OpStrategy:
     names = [a.name for a in op._schema.arguments][: len(op_schema.args_schema)]
     args = dict(zip(names, op_schema.args_schema))
     returns = len(op._schema.returns)
-    # Backward ops: outputs are dinput then one gradient per param, each produced only if output_mask says so.
+    # Backward ops: outputs are the row gradients then one gradient per param, each produced only if output_mask
+    # says so.
     mask = args.get("output_mask", [True] * returns)
     param_outputs = (
-        [bool(mask[1 + i]) and args[p] is not None for i, p in enumerate(info.params)] if "output_mask" in args else []
+        [bool(mask[info.row_grads + i]) and args[p] is not None for i, p in enumerate(info.params)]
+        if "output_mask" in args
+        else []
     )
     row_outputs = [bool(m) for m in mask[: returns - len(param_outputs)]]
     axis = args[info.rows[0]].ndim - len(args["normalized_shape"])

@@ -17,6 +17,7 @@ tangent is itself differentiable (jacrev of jacfwd, hessian).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,9 +39,10 @@ class OpInfo:
     params: tuple[str, ...]  # tensors shaped like normalized_shape: weight, bias
     # Forward ops: (arguments, tangents), both by name -> the tangent of every output.
     jvp: Callable[[dict, dict], tuple[Tensor, ...]] | None = None
-    # Backward ops (outputs: dinput, then one gradient per param, chosen by output_mask): (arguments with the
-    # vmapped dim in front, wanted per param) -> each sample's parameter gradients (None where not wanted).
+    # Backward ops (outputs: the row gradients, then one gradient per param, chosen by output_mask): (arguments with
+    # the vmapped dim in front, wanted per param) -> each sample's parameter gradients (None where not wanted).
     param_grads: Callable[[dict, Sequence[bool]], list[Tensor | None]] | None = None
+    row_grads: int = 1  # the backward's gradients of row arguments: dinput (and a gated norm's dgate)
 
 
 def _op(name: str) -> torch._ops.OpOverload:
@@ -112,6 +114,60 @@ def _rms_norm_param_grads(args: dict, wanted: Sequence[bool], normalized: str = 
     return _per_sample_affine_grads(args, xhat, (args["weight"],), wanted)
 
 
+def _gated_rows(args: dict, name: str, dtype: torch.dtype) -> Tensor:
+    """A row argument of a gated op in `dtype`, its normalized dims flattened into one."""
+    return args[name].to(dtype).flatten(-len(args["normalized_shape"]))
+
+
+def _gated_norm_jvp(args: dict, tangents: dict) -> tuple[Tensor, Tensor]:
+    """Tangents of (y, rstd) of the gated RMSNorm (reference.gated_rms_norm's arithmetic, its roundings aside): h = x,
+    or x * act(z) with the gate before the norm; each group of h normalized as a row; times the weight; times act(z)
+    with the gate after the norm."""
+    input, gate, weight, shape = args["input"], args["gate"], args["weight"], args["normalized_shape"]
+    acc, cols = reference.accumulation_dtype(input.dtype), math.prod(shape)
+    size = args["group_size"] or cols
+    eps = reference.default_rms_eps(input.dtype) if args["eps"] is None else args["eps"]
+
+    def tangent(name: str) -> Tensor:
+        t = tangents[name]
+        return _gated_rows({**args, name: t if t is not None else torch.zeros_like(args[name])}, name, acc)
+
+    h, dh = _gated_rows(args, "input", acc), tangent("input")
+    if gate is not None:
+        z = _gated_rows(args, "gate", acc)
+        act, dact = (
+            reference.GATE_ACTIVATIONS[args["activation"]](z),
+            reference.gate_slope(z, args["activation"]) * tangent("gate"),
+        )
+        if args["gate_position"] == "before":
+            h, dh = h * act, dh * act + h * dact
+    xhat, _, rstd = reference.normalize(h.unflatten(-1, (-1, size)), [size], eps, centred=False)
+    dxhat, _, drstd = reference.normalization_jvp(xhat, rstd, dh.unflatten(-1, (-1, size)), 1, centred=False)
+    out, dout = xhat.flatten(-2), dxhat.flatten(-2)
+    if weight is not None:
+        w = weight.to(acc).flatten()
+        dout = dout * w if tangents["weight"] is None else dout * w + out * tangents["weight"].to(acc).flatten()
+        out = out * w
+    if gate is not None and args["gate_position"] == "after":
+        dout = dout * act + out * dact
+    batch = input.shape[: input.dim() - len(shape)]
+    statistics = (*batch, cols // size) if size != cols else (*batch, *(1,) * len(shape))
+    return dout.unflatten(-1, tuple(shape)).to(input.dtype), drstd.reshape(statistics)
+
+
+def _gated_norm_param_grads(args: dict, wanted: Sequence[bool]) -> list[Tensor | None]:
+    """dweight per sample: the sum over its rows of dy * xhat, xhat = h * rstd of each group (h = x * act(z) with the
+    gate before the norm), dy * act(z) with the gate after it."""
+    gate, rstd, weight = args["gate"], args["rstd"], args["weight"]
+    h, g = _gated_rows(args, "input", rstd.dtype), _gated_rows(args, "grad_out", rstd.dtype)
+    if gate is not None:
+        act = reference.GATE_ACTIVATIONS[args["activation"]](_gated_rows(args, "gate", rstd.dtype))
+        h, g = (h * act, g) if args["gate_position"] == "before" else (h, g * act)
+    xhat = (h.unflatten(-1, (*rstd.shape[h.dim() - 1 :], -1)) * rstd.unsqueeze(-1)).flatten(h.dim() - 1)
+    (dweight,) = reference.affine_grads(g, xhat, (weight if wanted[0] else None,), 1, first_row_dim=1)
+    return [None if dweight is None else dweight.unflatten(-1, weight.shape)]
+
+
 _FUSED_BWD_ROWS = ("grad_out", "grad_residual_out", "residual_out")
 
 OPS: dict[str, OpInfo] = {
@@ -137,6 +193,14 @@ OPS: dict[str, OpInfo] = {
         rows=(*_FUSED_BWD_ROWS, "rstd"),
         params=("weight",),
         param_grads=partial(_rms_norm_param_grads, normalized="residual_out"),
+    ),
+    # The gated RMSNorm: the gate is a row like the input; rstd holds a value per row and group.
+    "gated_rms_norm_fwd": OpInfo(rows=("input", "gate"), params=("weight",), jvp=_gated_norm_jvp),
+    "gated_rms_norm_bwd": OpInfo(
+        rows=("grad_out", "input", "gate", "rstd"),
+        params=("weight",),
+        param_grads=_gated_norm_param_grads,
+        row_grads=2,
     ),
 }
 
@@ -175,12 +239,12 @@ def batching_rule(name: str) -> Callable:
         if info.param_grads is None:
             outputs = op(*named.values())
             return outputs, (0,) * len(outputs)
-        wanted = list(named["output_mask"])
-        named["output_mask"] = [wanted[0]] + [False] * len(info.params)  # the kernel would sum over samples
-        dinput, *unrequested = op(*named.values())
-        grads = info.param_grads(named, wanted[1:])
-        outputs = (dinput, *(g if g is not None else empty for g, empty in zip(grads, unrequested)))
-        out_dims = (0 if wanted[0] else None, *(0 if g is not None else None for g in grads))
+        wanted, rows = list(named["output_mask"]), info.row_grads
+        named["output_mask"] = wanted[:rows] + [False] * len(info.params)  # the kernel would sum over samples
+        outputs = op(*named.values())
+        grads = info.param_grads(named, wanted[rows:])
+        outputs = (*outputs[:rows], *(g if g is not None else empty for g, empty in zip(grads, outputs[rows:])))
+        out_dims = (*(0 if w else None for w in wanted[:rows]), *(0 if g is not None else None for g in grads))
         return outputs, out_dims
 
     return rule

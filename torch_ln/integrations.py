@@ -164,12 +164,9 @@ def timm_rms_norm_2d_forward(self, x: Tensor) -> Tensor:
 def _gated_kernel_computes(module, x: Tensor, gate: Tensor | None) -> bool:
     """The gated classes compute in float32 from float32/half/bfloat16 input, with a gate of the input's shape, which
     the kernels take in the input's dtype: a gate of it, or float32 input with a half/bfloat16 gate (converted
-    exactly, as the classes do; Mamba2's scan hands its norm such a pair in bfloat16 models). CPU input only: the CUDA
-    kernels do not take the gate yet, so such inputs take the class's forward."""
-    return (
-        _kernel_computes(module, x)
-        and x.device.type == "cpu"
-        and (gate is None or (gate.shape == x.shape and (gate.dtype == x.dtype or x.dtype == torch.float32)))
+    exactly, as the classes do; Mamba2's scan hands its norm such a pair in bfloat16 models)."""
+    return _kernel_computes(module, x) and (
+        gate is None or (gate.shape == x.shape and (gate.dtype == x.dtype or x.dtype == torch.float32))
     )
 
 

@@ -241,14 +241,7 @@ def gated_rms_norm(
     dtype before the weight multiply, and with a gate after the norm the weighted value too where the weight has the
     input's dtype (Qwen3-Next's ``weight * x.to(dtype)``, then times the float32 gate). Otherwise float32 throughout,
     one rounding at the end. :func:`torch_ln.reference.gated_rms_norm` is the arithmetic, in torch ops.
-
-    CPU only for now: the CUDA kernels do not take the gate yet (an error names the device).
     """
-    if input.device.type != "cpu":
-        raise NotImplementedError(
-            f"torch_ln.gated_rms_norm: expected a CPU input (the CUDA kernels do not take a gate yet), but got "
-            f"input.device={input.device}"
-        )
     shape = _as_shape(normalized_shape)
     options = (gate_position, activation, group_size, round_normalized)
     return _ops.gated_rms_norm_fwd.default(input, gate, shape, weight, eps, *options)[0]
@@ -611,8 +604,8 @@ def _gated_rms_norm_backward(ctx, grad_out, _grad_rstd):
     input, gate, weight, rstd = ctx.saved_tensors
     needs_dx, needs_dgate, _, needs_dweight, *_ = ctx.needs_input_grad
     if _needs_double_backward(grad_out, input, gate, weight):
-        # Differentiable again: the gradients of the torch-ops reference (the same arithmetic less its roundings),
-        # over rows flattened to the normalized size.
+        # Differentiable again: the closed-form gradients in torch ops (reference.gated_rms_norm_backward, the same
+        # arithmetic less its roundings), over rows flattened to the normalized size.
         grads = _gated_rms_norm_composite_grads(ctx, grad_out, input, gate, weight)
     else:
         mask = [needs_dx, needs_dgate and gate is not None, needs_dweight and weight is not None]
@@ -625,25 +618,22 @@ def _gated_rms_norm_backward(ctx, grad_out, _grad_rstd):
 
 def _gated_rms_norm_composite_grads(ctx, grad_out, input, gate, weight):
     rows = input.flatten(input.dim() - len(ctx.normalized_shape))
-    with torch.enable_grad():
-        inputs = [t for t in (input, gate, weight) if t is not None and t.requires_grad]
-        y = reference.gated_rms_norm(
-            rows,
-            None if gate is None else gate.reshape(rows.shape),
-            None if weight is None else weight.reshape(-1),
-            ctx.eps,
-            **ctx.options,
-        )
-        found = torch.autograd.grad(y, inputs, grad_out.reshape(y.shape), create_graph=True, allow_unused=True)
-    by_tensor = dict(zip(map(id, inputs), found))
-    return [by_tensor.get(id(t)) if t is not None else None for t in (input, gate, weight)]
+    options = {k: v for k, v in ctx.options.items() if k != "round_normalized"}
+    grads = reference.gated_rms_norm_backward(
+        grad_out.reshape(rows.shape),
+        rows,
+        None if gate is None else gate.reshape(rows.shape),
+        None if weight is None else weight.reshape(-1),
+        ctx.eps,
+        **options,
+    )
+    return [None if g is None else g.reshape(like.shape) for g, like in zip(grads, (input, gate, weight))]
 
-
-torch.library.register_autograd(
-    "torch_ln::gated_rms_norm_fwd", _gated_rms_norm_backward, setup_context=_gated_rms_norm_setup_context
-)
 
 # As torch.library.register_autograd, plus what torch.func needs (jvp, batching): see torch_ln/_transforms.py.
+_transforms.register_autograd(
+    "torch_ln::gated_rms_norm_fwd", _gated_rms_norm_backward, setup_context=_gated_rms_norm_setup_context
+)
 _transforms.register_autograd("torch_ln::layer_norm_fwd", _layer_norm_backward, setup_context=_layer_norm_setup_context)
 _transforms.register_autograd("torch_ln::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup_context)
 for _op in ("torch_ln::add_layer_norm_fwd", "torch_ln::add_rms_norm_fwd"):

@@ -182,6 +182,53 @@ def norm_backward(grad_out, input, normalized_shape, weight, bias, eps, centred:
     return (dinput, *affine_grads(g, xhat, (weight, bias), len(normalized_shape)))
 
 
+def gate_slope(gate: Tensor, activation: str) -> Tensor:
+    """d act / d gate of a gated norm's activation: silu' = s (1 + z (1 - s)), sigmoid' = s (1 - s), s = sigmoid(z)."""
+    s = torch.sigmoid(gate)
+    return s * (1 + gate * (1 - s)) if activation == "silu" else s * (1 - s)
+
+
+def gated_rms_norm_backward(
+    grad_out: Tensor,
+    input: Tensor,
+    gate: Tensor | None,
+    weight: Tensor | None,
+    eps: float | None,
+    *,
+    gate_position: str = "after",
+    activation: str = "silu",
+    group_size: int | None = None,
+) -> tuple:
+    """(dinput, dgate, dweight) of gated_rms_norm over the last dimension, its roundings aside, statistics recomputed
+    from input (None for an absent gate or weight). With h = x or x * act(z) (gate before), xhat = h * rstd per group,
+    u = xhat * weight: after the norm, dz = dy * u * act'(z) and dy becomes dy * act(z); dweight = sum dy * xhat;
+    dh = rstd * (g - xhat * mean(g * xhat)) per group with g = dy * weight; before the norm, dz = dh * x * act'(z) and
+    dx = dh * act(z)."""
+    acc = accumulation_dtype(input.dtype)
+    eps = default_rms_eps(input.dtype) if eps is None else eps
+    size = group_size or input.shape[-1]
+    h, g = input.to(acc), grad_out.to(acc)
+    if gate is not None:
+        z = gate.to(acc)
+        act, slope = GATE_ACTIVATIONS[activation](z), gate_slope(z, activation)
+        if gate_position == "before":
+            h = h * act
+    xhat, _, rstd = normalize(h.unflatten(-1, (-1, size)), [size], eps, centred=False)
+    xhat = xhat.flatten(-2)
+    dgate = dweight = None
+    if gate is not None and gate_position == "after":
+        dgate = g * (xhat * weight.to(acc) if weight is not None else xhat) * slope
+        g = g * act
+    if weight is not None:
+        dweight = (g * xhat).sum(list(range(g.dim() - 1))).to(weight.dtype)
+        g = g * weight.to(acc)
+    dh = normalization_jvp(xhat.unflatten(-1, (-1, size)), rstd, g.unflatten(-1, (-1, size)), 1, False)[0].flatten(-2)
+    if gate is not None and gate_position == "before":
+        dgate = dh * input.to(acc) * slope
+        dh = dh * act
+    return dh.to(input.dtype), None if dgate is None else dgate.to(gate.dtype), dweight
+
+
 def add_norm(
     norm, x: Tensor, residual: Tensor, *args, residual_dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@
 
 #include "../norm_kind.h"
 #include "../row_strides.h"
+#include "gate.cuh"
 #include "launch_plan.h"
 #include "reduce.cuh"
 #include "rounding.cuh"
@@ -64,6 +65,8 @@ struct BackwardParams {
   // dtype: any other x is the fused add's float32 residual stream, contiguous, whose kernels sit at their register
   // cap (an argument more made ptxas spill two of them).
   [[no_unique_address]] XRowStarts<std::is_same_v<T, R>> x_rows;
+  // A gated RMSNorm (the kernels' GATED instances): the gate and its gradient, a grouped norm's groups as rows.
+  DeviceGate<T> gate = {};
 
   TLN_DEVICE int64_t x_offset(int64_t row) const { return x_rows.offset(row, cols); }
 };
@@ -119,10 +122,74 @@ TLN_DEVICE void add_row_terms(const Params& p, const acc_t (&xhat)[VEC], const a
   }
 }
 
+// A gated norm's row as the norm saw it (GATED instances), for one vector at element offset i as loaded: x becomes
+// h = x * act(z) with a gate before the norm; with a gate after it, dy becomes the weighted value's gradient
+// dy * act(z), rounded to the input dtype where that value is (autograd's cast: rounds_weighted).
+template <bool GATED, int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void gate_row_vector(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&x)[VEC],
+                                acc_t (&dy)[VEC]) {
+  if constexpr (GATED) {
+    if (p.gate.z == nullptr) return;
+    if (p.gate.before) {  // (not a reference chosen at run time: that puts both arrays in local memory)
+      p.gate.multiply(row * p.cols + i, x);
+      return;
+    }
+    p.gate.multiply(row * p.cols + i, dy);
+    if (!rounds_weighted<T, W>(p)) return;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dy[j] = static_cast<acc_t>(static_cast<T>(dy[j]));
+  }
+}
+
+// Whether a row's second pass has gradients to store: dx, or a gated norm's dz.
+template <bool GATED, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE bool wants_row_grads(const BackwardParams<T, W, acc_t, R>& p) {
+  return p.dx != nullptr || (GATED && p.gate.dz != nullptr);
+}
+
+// A gated norm's dx and dz for one vector at element offset i, from dh, the gradient of the row the norm saw
+// (GATED instances): before the norm, dz = dh * x * act'(z) and dx = dh * act(z); after it, dx = dh and
+// dz = dy * (the weighted value, as the forward rounded it) * act'(z).
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void store_gated_grads(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i,
+                                  const acc_t (&xhat)[VEC], const acc_t (&w)[VEC], acc_t (&dh)[VEC]) {
+  if (p.gate.z != nullptr) {
+    acc_t a[VEC], slope[VEC], value[VEC];
+    p.gate.act(row * p.cols + i, a, slope);
+    if (p.gate.before) {
+      load_vec<VEC>(p.x + p.x_offset(row), i, value);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        value[j] = p.rounding.template to_input<T>(xhat[j]);
+        if (p.weight != nullptr) value[j] *= w[j];
+        if (rounds_weighted<T, W>(p)) value[j] = static_cast<acc_t>(static_cast<T>(value[j]));
+      }
+    }
+    if (p.gate.dz != nullptr) {
+      acc_t grad[VEC], dz[VEC];
+      if (p.gate.before) {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) grad[j] = dh[j];
+      } else {
+        load_vec<VEC>(p.dy + row * p.cols, i, grad);
+      }
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dz[j] = grad[j] * value[j] * slope[j];
+      store_vec<VEC>(p.gate.dz + row * p.cols, i, dz);
+    }
+    if (p.gate.before) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dh[j] *= a[j];
+    }
+  }
+  if (p.dx != nullptr) store_vec<VEC>(p.dx + row * p.cols, i, dh);
+}
+
 // dx for one vector, from the row's reduced sums (already divided by D). g is
 // rounded exactly as in add_row_terms (mul_rn), so with D = 1 dx is exactly 0.
-// With a residual add, grad_residual_out is added to dx.
-template <NormKind KIND, int VEC, typename T, typename W, typename acc_t, typename R>
+// With a residual add, grad_residual_out is added to dx. GATED: a gated norm's, with dz (store_gated_grads).
+template <NormKind KIND, bool GATED = false, int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, const acc_t (&xhat)[VEC],
                          const acc_t (&dy)[VEC], const acc_t (&w)[VEC], acc_t rstd, acc_t mean_g, acc_t mean_g_xhat) {
   acc_t dx[VEC], extra[VEC];
@@ -134,7 +201,11 @@ TLN_DEVICE void store_dx(const BackwardParams<T, W, acc_t, R>& p, int64_t row, i
     dx[j] = rstd * (centred - xhat[j] * mean_g_xhat);
     if (p.grad_residual_out != nullptr) dx[j] += extra[j];
   }
-  store_vec<VEC>(p.dx + row * p.cols, i, dx);
+  if constexpr (GATED) {
+    store_gated_grads(p, row, i, xhat, w, dx);
+  } else {
+    store_vec<VEC>(p.dx + row * p.cols, i, dx);
+  }
 }
 
 // The partial rows of `groups` groups of a thread-block cluster, added in group order through distributed shared
@@ -210,9 +281,12 @@ TLN_DEVICE void store_block_partial(acc_t* partial, const acc_t (&sums)[ITEMS][V
 // block, block + blocks, ...; each thread keeps its columns' weight and its
 // share of the weight/bias gradient sums in registers, and the block (where
 // p.partial_cluster > 1, its thread-block cluster) writes one partial row per
-// gradient at the end.
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_kernel(BackwardParams<T, W, acc_t, R> p) {
+// gradient at the end. GATED (here and in the multi-pass kernel): the gated RMSNorm's instance (p.gate), whose
+// blocks walk the rows of one group (GroupWalk).
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS, bool GATED>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threads)
+    norm_backward_kernel(BackwardParams<T, W, acc_t, R> p) {
+  const GroupWalk walk = group_walk<GATED>(p);
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;
@@ -231,9 +305,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
       if (layout.vector(k) < nvec) load_vec<VEC>(p.inverse_weight, layout.vector(k) * VEC, dbias[k]);
     }
   }
-  for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
-    const int64_t row = tile + layout.row_in_block;
-    const bool active = row < p.rows;
+  const int64_t batch_rows = p.rows / walk.groups;
+  for (int64_t tile = walk.unit * layout.rows_per_block; tile < batch_rows;
+       tile += walk.units * layout.rows_per_block) {
+    const bool active = tile + layout.row_in_block < batch_rows;
+    const int64_t row = walk.row(tile + layout.row_in_block);
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     acc_t xhat[ITEMS][VEC], dy[ITEMS][VEC];
@@ -252,6 +328,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (!active || layout.vector(k) >= nvec) continue;
+      gate_row_vector<GATED>(p, row, layout.vector(k) * VEC, xhat[k], dy[k]);
       if constexpr (KIND == NormKind::LayerNorm) {
         to_xhat(p, dbias[k], mean, rstd, xhat[k]);
       } else {
@@ -266,13 +343,13 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads) norm_backward_ker
       }
     }
     row_sum2(sum_g, sum_g_xhat, p.threads_per_row, smem);
-    if (!active || p.dx == nullptr) continue;
+    if (!active || !wants_row_grads<GATED>(p)) continue;
     const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       const int64_t c = layout.vector(k);
       if (c < nvec)
-        store_dx<KIND>(p, row, c * VEC, xhat[k], dy[k], w[k], rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+        store_dx<KIND, GATED>(p, row, c * VEC, xhat[k], dy[k], w[k], rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores
@@ -302,14 +379,16 @@ TLN_DEVICE void accumulate_partial(acc_t* partial, int64_t i, const acc_t (&v)[V
 // Rows too long for registers: a row per block at a time, two passes over each
 // row (the sums, then dx and the gradient terms added to the block's
 // zero-initialized partial rows).
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool GATED>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threads)
     norm_backward_multipass_kernel(BackwardParams<T, W, acc_t, R> p) {
+  const GroupWalk walk = group_walk<GATED>(p);
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;
   const int64_t slot = dev::block_x();
-  for (int64_t row = slot; row < p.rows; row += dev::grid_dim_x()) {
+  for (int64_t batch_row = walk.unit; batch_row < p.rows / walk.groups; batch_row += walk.units) {
+    const int64_t row = walk.row(batch_row);
     const acc_t mean = p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = dev::load_global(&p.rstd[row]);
     acc_t xhat[VEC], dy[VEC], w[VEC];
@@ -318,6 +397,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
       load_vec<VEC>(p.x + p.x_offset(row), i, xhat);
       load_vec<VEC>(p.dy + row * p.cols, i, dy);
       load_weight(p, i, w);
+      gate_row_vector<GATED>(p, row, i, xhat, dy);
       to_xhat_at(p, i, mean, rstd, xhat);
       add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
     };
@@ -328,7 +408,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kBackwardBudget.max_threads)
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
       acc_t unused_g = acc_t(0), unused_g_xhat = acc_t(0);
       load_row(c * VEC, unused_g, unused_g_xhat);
-      if (p.dx != nullptr) store_dx<KIND>(p, row, c * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+      if (wants_row_grads<GATED>(p)) {
+        store_dx<KIND, GATED>(p, row, c * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
+      }
       acc_t dy_xhat[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
@@ -509,21 +591,29 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
 }
 
-// The backward's kernels by register tier, for launch_rows.
-template <typename T, typename W, typename acc_t, typename R>
+// The backward's kernels by register tier, for launch_rows; GATED: the gated RMSNorm's instances (no LayerNorm form,
+// no shared-memory path: null kernels there, as ForwardKernels').
+template <typename T, typename W, typename acc_t, typename R, bool GATED = false>
 struct BackwardKernels {
-  static constexpr RegisterBudget budget = for_accumulator(kBackwardBudget, sizeof(acc_t));
+  static constexpr RegisterBudget budget = for_accumulator(gated_budget(kBackwardBudget, GATED), sizeof(acc_t));
+  using Kernel = void (*)(BackwardParams<T, W, acc_t, R>);
   template <NormKind K, int VEC, int ITEMS>
-  static constexpr auto get() {
-    if constexpr (ITEMS == 0) {
-      return &norm_backward_multipass_kernel<T, W, acc_t, R, K, VEC>;
+  static constexpr Kernel get() {
+    if constexpr (GATED && K == NormKind::LayerNorm) {
+      return nullptr;
+    } else if constexpr (ITEMS == 0) {
+      return &norm_backward_multipass_kernel<T, W, acc_t, R, K, VEC, GATED>;
     } else {
-      return &norm_backward_kernel<T, W, acc_t, R, K, VEC, ITEMS>;
+      return &norm_backward_kernel<T, W, acc_t, R, K, VEC, ITEMS, GATED>;
     }
   }
   template <NormKind K, int VEC>
-  static constexpr auto shared_row() {
-    return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC>;
+  static constexpr Kernel shared_row() {
+    if constexpr (GATED) {
+      return nullptr;
+    } else {
+      return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC>;
+    }
   }
 };
 

@@ -7,8 +7,8 @@
 
 namespace torch_ln {
 
-// Sums the partial rows into dweight and dbias (launched on the row kernel's stream, after it: a dependent launch,
-// which starts while the row kernel's blocks write their partial rows).
+// Sums the partial rows ([partial_rows, a.cols]) into dweight and dbias (launched on the row kernel's stream, after it:
+// a dependent launch, which starts while the row kernel's blocks write their partial rows).
 template <typename acc_t, typename W, typename Params>
 void launch_reduce_partials(const Params& p, const BackwardArgs& a, int64_t partial_rows, dev::Stream stream) {
   constexpr int kVec = kVectorBytes / sizeof(acc_t);
@@ -43,6 +43,10 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   using W = typename Types::param_t;
   using acc_t = typename Types::acc_t;
   using R = typename Types::row_t;
+  // A gated RMSNorm (GateArgs) runs the GATED instances, on rows of the input's dtype; a grouped one on its groups.
+  constexpr bool kGateable = std::is_same_v<R, T>;
+  const bool gated = kGateable && (a.gate.z.defined() || a.gate.group_size > 0);
+  const KernelRows k = kernel_rows(a.rows, a.cols, a.x_rows, a.gate);
   BackwardParams<T, W, acc_t, R> p{a.dy.const_data_ptr<T>(),
                                    a.x.const_data_ptr<R>(),
                                    data_or_null<acc_t>(a.mean),
@@ -51,30 +55,39 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                                    mutable_data_or_null<R>(a.dx),
                                    nullptr,
                                    nullptr,
-                                   a.rows,
-                                   a.cols,
+                                   k.rows,
+                                   k.cols,
                                    0,
                                    data_or_null<R>(a.grad_residual_out),
                                    {static_cast<acc_t>(a.rounding.weight_offset), a.rounding.round_normalized}};
-  if constexpr (std::is_same_v<T, R>) p.x_rows.strides = a.x_rows;
+  if constexpr (std::is_same_v<T, R>) p.x_rows.strides = k.x_rows;
   p.from_output = a.from_output;
   p.inverse_weight = data_or_null<acc_t>(a.inverse_weight);
-  const bool vec_ok = vectorizable<T, W>(a.cols, {p.dy, p.x, p.dx}, {p.weight}) &&
-                      vectorizable<T, acc_t>(a.cols, {}, {p.inverse_weight}) &&
-                      vectorizable<T, R>(a.cols, {}, {p.x, p.dx, p.grad_residual_out}) &&
-                      a.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(R)));
-  const SharedRowSpace space = backward_shared_row_space<acc_t, T, R, W>(
-      p.weight != nullptr, int{a.dweight.defined()} + int{a.dbias.defined()}, limits);
-  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, BackwardKernels<T, W, acc_t, R>::budget, space);
+  p.gate = {data_or_null<T>(a.gate.z), mutable_data_or_null<T>(a.dgate), a.gate.before, a.gate.activation, k.groups};
+  const bool vec_ok = vectorizable<T, W>(k.cols, {p.dy, p.x, p.dx, p.gate.z, p.gate.dz}, {p.weight}) &&
+                      vectorizable<T, acc_t>(k.cols, {}, {p.inverse_weight}) &&
+                      vectorizable<T, R>(k.cols, {}, {p.x, p.dx, p.grad_residual_out}) &&
+                      k.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(R)));
+  // A gated norm's rows too long for registers take the multi-pass kernel (no shared-memory path).
+  const SharedRowSpace space =
+      gated ? SharedRowSpace{}
+            : backward_shared_row_space<acc_t, T, R, W>(p.weight != nullptr,
+                                                        int{a.dweight.defined()} + int{a.dbias.defined()}, limits);
+  RowPlan plan =
+      plan_rows(k.rows, k.cols, sizeof(T), vec_ok,
+                gated ? BackwardKernels<T, W, acc_t, R, true>::budget : BackwardKernels<T, W, acc_t, R>::budget, space);
   p.threads_per_row = plan.threads_per_row;
   p.cluster_blocks = plan.cluster_blocks;
   p.slice_vectors = plan.slice_vectors;
   p.row_on_chip = plan.row_on_chip;
   p.staged_weight = plan.slice_params;
-  with_row_kernel<BackwardKernels<T, W, acc_t, R>, T>(kind, plan, [&](auto kernel) {
+  const auto launch = [&](auto kernel) {
     // The blocks whose partial rows become one: a cluster of partial_cluster groups (where the device has clusters),
-    // each a block or a row's cluster of the shared-memory path.
-    p.partial_cluster = partial_cluster_blocks(plan, limits, a.dweight.defined() || a.dbias.defined(), sizeof(acc_t));
+    // each a block or a row's cluster of the shared-memory path; a block alone for a grouped norm, whose neighbouring
+    // blocks sum different groups.
+    p.partial_cluster =
+        k.groups > 1 ? 1
+                     : partial_cluster_blocks(plan, limits, a.dweight.defined() || a.dbias.defined(), sizeof(acc_t));
     const int cluster = std::max(1, plan.cluster_blocks) * p.partial_cluster;
     size_t smem = 0;
     if (plan.shared_row()) {  // a cluster per row, as many as the device holds at once
@@ -82,12 +95,13 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
     } else {  // row reductions, then the partial rows of a block's rows (and of a cluster's blocks) added on chip
       smem =
           std::max(plan.smem_bytes<acc_t>(),
-                   plan.rows_per_block > 1 || cluster > 1 ? plan.rows_per_block * a.cols * sizeof(acc_t) : size_t{0});
+                   plan.rows_per_block > 1 || cluster > 1 ? plan.rows_per_block * k.cols * sizeof(acc_t) : size_t{0});
     }
     size_cluster_grid(kernel, plan, ceil_div(plan.blocks, p.partial_cluster), smem, limits, cluster);
+    group_units(plan, a.rows, k.groups);
     // One partial row per cluster (a block without one) and gradient; the multi-pass kernel accumulates into them,
-    // so they start at zero.
-    const int64_t partial_rows = plan.blocks / cluster;
+    // so they start at zero. A grouped norm's units of one group each write the group's slice of a row D wide.
+    const int64_t partial_rows = plan.blocks / cluster / k.groups;
     const auto partial_options = a.x.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
     auto partial = [&](const at::Tensor& grad) {
       if (!grad.defined()) return at::Tensor();
@@ -99,7 +113,11 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
     p.partial_dbias = mutable_data_or_null<acc_t>(partial_dbias);
     launch_in_clusters(kernel, cluster, plan, smem, stream, p);
     if (a.dweight.defined() || a.dbias.defined()) launch_reduce_partials<acc_t, W>(p, a, partial_rows, stream);
-  });
+  };
+  if constexpr (kGateable) {
+    if (gated) return with_row_kernel<BackwardKernels<T, W, acc_t, R, true>, T>(kind, plan, launch);
+  }
+  with_row_kernel<BackwardKernels<T, W, acc_t, R>, T>(kind, plan, launch);
 }
 
 inline void launch_norm_backward(NormKind kind, const BackwardArgs& a, const DeviceLimits& limits, dev::Stream stream) {

@@ -157,6 +157,9 @@ TLN_DEVICE void allow_dependent_launch() {
 
 TLN_DEVICE float rsqrt(float x) { return ::rsqrtf(x); }
 TLN_DEVICE double rsqrt(double x) { return ::rsqrt(x); }
+// The full-precision exponential (as torch's silu and sigmoid take it), not __expf's approximation.
+TLN_DEVICE float exp(float x) { return ::expf(x); }
+TLN_DEVICE double exp(double x) { return ::exp(x); }
 // A product rounded on its own, never fused into a following add.
 TLN_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 TLN_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
@@ -343,6 +346,8 @@ const T* cluster_shared(const T* p, unsigned rank) {
 
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+inline float exp(float x) { return std::exp(x); }
+inline double exp(double x) { return std::exp(x); }
 template <typename T>
 T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
   return a * b;

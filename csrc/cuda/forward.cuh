@@ -4,6 +4,7 @@
 
 #include "../norm_kind.h"
 #include "../row_strides.h"
+#include "gate.cuh"
 #include "launch_plan.h"
 #include "quantize.cuh"
 #include "reduce.cuh"
@@ -37,6 +38,8 @@ struct ForwardParams {
   // of a warp hold a group, which reduce its amax by shuffles; quant_group_lanes in launch_forward_typed).
   QuantOutput quant = {};
   int quant_group_lanes = 0;
+  // A gated RMSNorm (the kernels' GATED instances): the gate, and a grouped norm's groups as rows of their own.
+  DeviceGate<T> gate = {};
 };
 
 // With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
@@ -50,11 +53,20 @@ TLN_DEVICE void add_residual(const ForwardParams<T, W, acc_t, R>& p, int64_t row
   for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(static_cast<R>(v[j] + r[j]));
 }
 
+// A gate before the norm (GATED instances): one vector of the row as read (element offset i) times act(z).
+template <bool GATED, int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void gate_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
+  if constexpr (GATED) {
+    if (p.gate.gates_input()) p.gate.multiply(row * p.cols + i, v);
+  }
+}
+
 // The first read of one vector of a row (element offset i).
-template <int VEC, typename T, typename W, typename acc_t, typename R>
+template <bool GATED = false, int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void load_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   load_vec<VEC>(p.x + p.x_rows.offset(row), i, v);
   add_residual(p, row, i, v);
+  gate_input<GATED>(p, row, i, v);
 }
 
 // Stores x + residual to residual_out (for the caller, and for the later passes); nothing without a residual.
@@ -65,13 +77,14 @@ TLN_DEVICE void keep_input(const ForwardParams<T, W, acc_t, R>& p, int64_t row, 
 
 // A later read of one vector of the row load_input read: x, or residual_out (the same thread wrote it, before
 // the barrier of the row reduction in between).
-template <int VEC, typename T, typename W, typename acc_t, typename R>
+template <bool GATED = false, int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void load_stored(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   if (p.residual == nullptr) {
     load_vec<VEC>(p.x + p.x_rows.offset(row), i, v);
   } else {
     load_vec<VEC>(p.residual_out + row * p.cols, i, v);
   }
+  gate_input<GATED>(p, row, i, v);
 }
 
 // rstd from a row's sum of squared deviations.
@@ -118,12 +131,26 @@ TLN_DEVICE void normalize(const ForwardParams<T, W, acc_t, R>& p, int64_t c, con
   }
 }
 
-// Normalizes vector c of a row and stores it to y.
-template <int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
+// A gate after the norm (GATED instances): one normalized vector (element offset i) times act(z).
+template <bool GATED, int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void gate_output(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&out)[VEC]) {
+  if constexpr (GATED) {
+    if (!p.gate.gates_output()) return;
+    if (rounds_weighted<T, W>(p)) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[j] = static_cast<acc_t>(static_cast<T>(out[j]));
+    }
+    p.gate.multiply(row * p.cols + i, out);
+  }
+}
+
+// Normalizes vector c of a row (gated after the norm where GATED says) and stores it to y.
+template <bool GATED = false, int VEC, typename T, typename W, typename acc_t, typename R, typename Params>
 TLN_DEVICE void normalize_and_store(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t c,
                                     const acc_t (&v)[VEC], acc_t mean, acc_t rstd, const Params& params) {
   acc_t out[VEC];
   normalize(p, c, v, mean, rstd, params, out);
+  gate_output<GATED>(p, row, c * VEC, out);
   store_vec<VEC>(p.y + row * p.cols, c * VEC, out);
 }
 
@@ -326,9 +353,13 @@ struct SlicedParams {
 // copy when p.staged_params (the launcher's choice: the copy fits the device's
 // shared memory without lowering the occupancy), from global memory otherwise.
 // QUANTIZED (here and in the long-row kernels): the *_quant operators' instance (p.quant), a template argument so
-// that the plain kernels keep their registers (a runtime branch raised them by up to 24).
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS, bool QUANTIZED>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
+// that the plain kernels keep their registers (a runtime branch raised them by up to 24). GATED (here and in the
+// multi-pass kernel): the gated RMSNorm's instance (p.gate), whose blocks walk the rows of one group (GroupWalk).
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int ITEMS, bool QUANTIZED,
+          bool GATED>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_threads)
+    norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
+  const GroupWalk walk = group_walk<GATED>(p);
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const StagedParams<W, VEC> staged(p, shared);
   acc_t* smem = reinterpret_cast<acc_t*>(
@@ -339,9 +370,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
   }
   const RowLayout layout(p.threads_per_row);
   const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
-  for (int64_t tile = layout.first_tile(); tile < p.rows; tile += layout.tile_stride()) {
-    const int64_t row = tile + layout.row_in_block;
-    const bool active = row < p.rows;
+  const int64_t batch_rows = p.rows / walk.groups;
+  for (int64_t tile = walk.unit * layout.rows_per_block; tile < batch_rows;
+       tile += walk.units * layout.rows_per_block) {
+    const bool active = tile + layout.row_in_block < batch_rows;
+    const int64_t row = walk.row(tile + layout.row_in_block);
     // Every load of x in the row is issued before the first use: predicated loads of the vectors as stored,
     // converted after. (A residual is read vector by vector as it is added: float32 rows would spill holding
     // both x and the residual as stored.)
@@ -358,6 +391,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
       if (active && layout.vector(k) < nvec) {
         to_acc(raw[k], v[k]);
         add_residual(p, row, layout.vector(k) * VEC, v[k]);
+        gate_input<GATED>(p, row, layout.vector(k) * VEC, v[k]);
         keep_input(p, row, layout.vector(k) * VEC, v[k]);
         sum += vector_sum(v[k]);
       }
@@ -390,9 +424,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
       const int64_t c = layout.vector(k);
       if (c >= nvec) continue;
       if (p.staged_params) {
-        normalize_and_store(p, row, c, v[k], mean, rstd, staged);
+        normalize_and_store<GATED>(p, row, c, v[k], mean, rstd, staged);
       } else {
-        normalize_and_store(p, row, c, v[k], mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+        normalize_and_store<GATED>(p, row, c, v[k], mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
       }
     }
   }
@@ -400,13 +434,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads) norm_forward_kerne
 
 // Rows too long for registers: a block per row, three passes over the row
 // (sum, squared deviations, normalize); the later passes mostly hit L2.
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED>
-TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED, bool GATED>
+TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_threads)
     norm_forward_multipass_kernel(ForwardParams<T, W, acc_t, R> p) {
+  const GroupWalk walk = group_walk<GATED>(p);
   acc_t* smem = dev::dynamic_shared<acc_t>();
   const int threads = dev::block_dim_x();
   const int64_t nvec = p.cols / VEC;
-  for (int64_t row = dev::block_x(); row < p.rows; row += dev::grid_dim_x()) {
+  for (int64_t batch_row = walk.unit; batch_row < p.rows / walk.groups; batch_row += walk.units) {
+    const int64_t row = walk.row(batch_row);
     acc_t v[VEC];
     acc_t mean = acc_t(0);
     if (KIND == NormKind::LayerNorm) {
@@ -423,7 +459,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
       if (KIND == NormKind::LayerNorm) {
         load_stored(p, row, c * VEC, v);
       } else {  // RMSNorm's first pass
-        load_input(p, row, c * VEC, v);
+        load_input<GATED>(p, row, c * VEC, v);
         keep_input(p, row, c * VEC, v);
       }
       squares += squared_deviations(v, mean);
@@ -441,8 +477,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kForwardBudget.max_threads)
       continue;
     }
     for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
-      load_stored(p, row, c * VEC, v);
-      normalize_and_store(p, row, c, v, mean, rstd, params);
+      load_stored<GATED>(p, row, c * VEC, v);
+      normalize_and_store<GATED>(p, row, c, v, mean, rstd, params);
     }
   }
 }
@@ -555,21 +591,30 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
 }
 
-// The forward's kernels by register tier, for launch_rows; QUANTIZED: their *_quant instances.
-template <typename T, typename W, typename acc_t, typename R, bool QUANTIZED = false>
+// The forward's kernels by register tier, for launch_rows; QUANTIZED: their *_quant instances; GATED: the gated
+// RMSNorm's, which has no LayerNorm form and no shared-memory path (its long rows take the multi-pass kernel): null
+// kernels there, which its plans never launch.
+template <typename T, typename W, typename acc_t, typename R, bool QUANTIZED = false, bool GATED = false>
 struct ForwardKernels {
-  static constexpr RegisterBudget budget = for_accumulator(kForwardBudget, sizeof(acc_t));
+  static constexpr RegisterBudget budget = for_accumulator(gated_budget(kForwardBudget, GATED), sizeof(acc_t));
+  using Kernel = void (*)(ForwardParams<T, W, acc_t, R>);
   template <NormKind K, int VEC, int ITEMS>
-  static constexpr auto get() {
-    if constexpr (ITEMS == 0) {
-      return &norm_forward_multipass_kernel<T, W, acc_t, R, K, VEC, QUANTIZED>;
+  static constexpr Kernel get() {
+    if constexpr (GATED && K == NormKind::LayerNorm) {
+      return nullptr;
+    } else if constexpr (ITEMS == 0) {
+      return &norm_forward_multipass_kernel<T, W, acc_t, R, K, VEC, QUANTIZED, GATED>;
     } else {
-      return &norm_forward_kernel<T, W, acc_t, R, K, VEC, ITEMS, QUANTIZED>;
+      return &norm_forward_kernel<T, W, acc_t, R, K, VEC, ITEMS, QUANTIZED, GATED>;
     }
   }
   template <NormKind K, int VEC>
-  static constexpr auto shared_row() {
-    return &norm_forward_shared_kernel<T, W, acc_t, R, K, VEC, QUANTIZED>;
+  static constexpr Kernel shared_row() {
+    if constexpr (GATED) {
+      return nullptr;
+    } else {
+      return &norm_forward_shared_kernel<T, W, acc_t, R, K, VEC, QUANTIZED>;
+    }
   }
 };
 

@@ -33,14 +33,18 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   using W = typename Types::param_t;
   using acc_t = typename Types::acc_t;
   using R = typename Types::row_t;
+  // A gated RMSNorm (GateArgs) runs the GATED instances, on rows of the input's dtype; a grouped one on its groups.
+  constexpr bool kGateable = std::is_same_v<R, T>;
+  const bool gated = kGateable && (a.gate.z.defined() || a.gate.group_size > 0);
+  const KernelRows k = kernel_rows(a.rows, a.cols, a.x_rows, a.gate);
   ForwardParams<T, W, acc_t, R> p{a.x.const_data_ptr<T>(),
                                   data_or_null<W>(a.weight),
                                   data_or_null<W>(a.bias),
                                   mutable_data_or_null<T>(a.y),
                                   mutable_data_or_null<acc_t>(a.mean),
                                   a.rstd.mutable_data_ptr<acc_t>(),
-                                  a.rows,
-                                  a.cols,
+                                  k.rows,
+                                  k.cols,
                                   static_cast<acc_t>(a.eps),
                                   0,
                                   data_or_null<R>(a.residual),
@@ -49,7 +53,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                                   false,
                                   0,
                                   0,
-                                  a.x_rows};
+                                  k.x_rows};
   const bool quantized = a.quant.q.defined();
   const QuantOutput quant =
       quantized ? QuantOutput{reinterpret_cast<uint8_t*>(a.quant.q.mutable_data_ptr()),
@@ -57,12 +61,16 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                               a.quant.spec.dynamic ? nullptr : a.quant.scales.const_data_ptr<float>(), a.quant.spec}
                 : QuantOutput{};
   p.quant = quant;
+  p.gate = {data_or_null<T>(a.gate.z), nullptr, a.gate.before, a.gate.activation, k.groups};
   // A strided x is read in 16-byte vectors where every row starts 16-byte aligned, as its base does.
-  const bool vec_ok = vectorizable<T, W>(a.cols, {p.x, p.y}, {p.weight, p.bias}) &&
-                      vectorizable<T, R>(a.cols, {}, {p.residual, p.residual_out}) &&
-                      a.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(T)));
-  RowPlan plan = plan_rows(a.rows, a.cols, sizeof(T), vec_ok, ForwardKernels<T, W, acc_t, R>::budget,
-                           forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits));
+  const bool vec_ok = vectorizable<T, W>(k.cols, {p.x, p.y, p.gate.z}, {p.weight, p.bias}) &&
+                      vectorizable<T, R>(k.cols, {}, {p.residual, p.residual_out}) &&
+                      k.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(T)));
+  // A gated norm's rows too long for registers take the multi-pass kernel (no shared-memory path).
+  RowPlan plan = plan_rows(
+      k.rows, k.cols, sizeof(T), vec_ok,
+      gated ? ForwardKernels<T, W, acc_t, R, false, true>::budget : ForwardKernels<T, W, acc_t, R>::budget,
+      gated ? SharedRowSpace{} : forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits));
   p.threads_per_row = plan.threads_per_row;
   p.cluster_blocks = plan.cluster_blocks;
   p.slice_vectors = plan.slice_vectors;
@@ -82,7 +90,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   }
   const size_t scratch = plan.smem_bytes<acc_t>();
   const size_t staged =
-      plan.multipass() ? 0 : staged_params_bytes(a.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
+      plan.multipass() ? 0 : staged_params_bytes(k.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
   const auto launch = [&](auto kernel) {
     if (plan.shared_row()) {  // a cluster of blocks per row, as many clusters as the device holds at once
       const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
@@ -106,8 +114,12 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       }
       limit_to_one_wave(plan, limits, blocks_per_sm);
     }
+    group_units(plan, a.rows, k.groups);
     dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);
   };
+  if constexpr (kGateable) {
+    if (gated) return with_row_kernel<ForwardKernels<T, W, acc_t, R, false, true>, T>(kind, plan, launch);
+  }
   if constexpr (kQuantizesInForward) {
     if (p.quant.q != nullptr) return with_row_kernel<ForwardKernels<T, W, acc_t, R, true>, T>(kind, plan, launch);
   }

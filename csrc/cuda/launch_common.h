@@ -91,6 +91,35 @@ void with_row_kernel(NormKind kind, const RowPlan& plan, F&& f) {
   }
 }
 
+// The rows the kernels normalize: the call's, or a grouped gated norm's groups (GateArgs::group_size), each a row of
+// its own: M * groups rows of group_size, row m * groups + g starting g * group_size past row m of x, a level below
+// x's row strides (norm_ops keeps a grouped input's rows one level deep, or contiguous beyond 2^32 rows).
+struct KernelRows {
+  int64_t rows, cols, groups;
+  RowStrides x_rows;
+};
+
+inline KernelRows kernel_rows(int64_t rows, int64_t cols, const RowStrides& x_rows, const GateArgs& gate) {
+  if (gate.group_size == 0) return {rows, cols, 1, x_rows};
+  const int64_t size = gate.group_size, groups = cols / size;
+  // Member by member: nvcc 13.0's cicc crashes on a braced RowStrides in a conditional expression here.
+  RowStrides grouped;
+  grouped.inner = size;
+  if (x_rows.inner != cols || x_rows.inner_rows != 0) {  // strided rows: the groups' rows a level below them
+    grouped.inner_rows = groups;
+    grouped.outer = x_rows.inner;
+  }
+  return {rows * groups, size, groups, grouped};
+}
+
+// A grid of whole groups of units for `groups` groups a row (GroupWalk): the plan's blocks rounded to a multiple of
+// groups, at least one unit a group and no more than its `batch_rows` give work to.
+inline void group_units(RowPlan& plan, int64_t batch_rows, int64_t groups) {
+  if (groups == 1) return;
+  const int64_t units = std::clamp<int64_t>(plan.blocks / groups, 1, ceil_div(batch_rows, plan.rows_per_block));
+  plan.blocks = units * groups;
+}
+
 inline dev::Dim3 grid_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.blocks)}; }
 inline dev::Dim3 block_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.block_threads())}; }
 

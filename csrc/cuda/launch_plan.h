@@ -42,6 +42,14 @@ constexpr RegisterBudget kForwardBudget{32, 8, 512, 128};
 // threads an SM at the 128 registers a thread it takes).
 constexpr RegisterBudget kBackwardBudget{16, 8, 512, 512};
 
+// The gated RMSNorm's instances (GATED): blocks of at most 256 threads, whose up to 255 registers a thread hold the
+// gate's loads and activations beside the row (at 512 threads' 128, ptxas spilled their larger tiers, and the
+// backward's bfloat16 tier of two 8-vectors: no fewer items would do).
+constexpr RegisterBudget gated_budget(RegisterBudget budget, bool gated) {
+  return gated ? RegisterBudget{budget.elems, budget.scalar_elems, 256, std::min(budget.rows_block_threads, 256)}
+               : budget;
+}
+
 // A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.
 constexpr RegisterBudget for_accumulator(RegisterBudget budget, int acc_bytes) {
   return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads,

@@ -59,8 +59,6 @@ struct RowLayout {
         rows_per_block(dev::block_dim_x() / tpr),
         row_in_block(dev::thread_x() / tpr) {}
 
-  TLN_DEVICE int64_t first_tile() const { return int64_t{dev::block_x()} * rows_per_block; }
-  TLN_DEVICE int64_t tile_stride() const { return int64_t{dev::grid_dim_x()} * rows_per_block; }
   TLN_DEVICE int64_t vector(int k) const { return int64_t{k} * threads_per_row + lane; }
 };
 

@@ -139,6 +139,9 @@ TORCH_LIBRARY(torch_ln_emulated, m) {
   m.def("set_block_sample", &set_block_sample);
 }
 
-TORCH_LIBRARY_IMPL(torch_ln_emulated, CPU, m) { register_norm_ops<EmulatedBackend>(m); }
+TORCH_LIBRARY_IMPL(torch_ln_emulated, CPU, m) {
+  register_norm_ops<EmulatedBackend>(m);
+  register_gated_norm_ops<EmulatedBackend>(m);
+}
 
 }  // namespace torch_ln
