@@ -326,6 +326,20 @@ def l1_free_bytes(blocks_per_sm: int, smem_per_block: int) -> int:
 SHARED_ROW_THREADS = 512  # kSharedRowThreads (csrc/cuda/launch_plan.h)
 FORWARD_SHARED_UNROLL = 8  # kSharedRowUnroll
 BACKWARD_SHARED_UNROLL = 4  # kBackwardSharedUnroll: x and dy, 8 vectors a thread in flight
+REREAD_VECTOR_BYTES = 16  # backward_reread_unroll: BACKWARD_SHARED_UNROLL where a vector as accumulated is <= this
+PREFETCH_BYTES = 64  # kPrefetchBytes: the forward register kernels that hold the next row's loads (prefetches_next_row)
+
+
+def prefetched_share(mode: str, plan: dict, elem: int, bursts: int) -> float:
+    """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
+    and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
+    forward register kernels whose next row, as stored, is at most PREFETCH_BYTES a thread (prefetches_next_row);
+    the first of the forward shared-memory kernel's rounds (load_slice_round); none elsewhere."""
+    if mode != "fwd" or not bursts:
+        return 0.0
+    if plan["path"] == "registers":
+        return 1.0 if plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES else 0.0
+    return 1.0 / bursts if plan["path"] == "shared" else 0.0
 
 
 def _pieces(vec: int, elem_bytes: int) -> int:
@@ -409,10 +423,16 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             )
             out["bursts"] = -(-per_thread // BACKWARD_SHARED_UNROLL)
             out["burst_streams"] = 2
-            # The dx pass, one vector a thread per iteration: the row read again (from L2) where it is not on chip,
-            # with the gradient of residual_out beside it; that gradient alone (from DRAM) where it is; the weight
-            # from global memory in both passes where it is not on chip.
-            out["lone_l2"] = (0 if on_chip else per_thread) + (0 if plan["slice_params"] else 2 * per_thread)
+            # The dx pass: the row read again (from L2) where it is not on chip, BACKWARD_SHARED_UNROLL vectors of x
+            # and dy a thread at a time where a vector as accumulated is at most 16 bytes (backward_reread_unroll),
+            # one at a time for 16-bit rows, with the gradient of residual_out beside each vector; that gradient
+            # alone (from DRAM) where the row is on chip; the weight from global memory in both passes where it is
+            # not on chip.
+            acc_bytes = 8 if elem == 8 else 4
+            reread = BACKWARD_SHARED_UNROLL if vec * acc_bytes <= REREAD_VECTOR_BYTES else 1
+            out["lone_l2"] = (0 if on_chip else -(-per_thread // reread)) + (
+                0 if plan["slice_params"] else 2 * per_thread
+            )
             out["lone_dram"] = per_thread if fused and on_chip else 0
         out["barriers"] = c * calls * 2.0
         out["cluster_syncs"] = c * calls * (1.0 if c > 1 else 0.0)
@@ -662,6 +682,7 @@ def features(facts: dict) -> dict:
         "barriers": barriers_step,
         "dsmem_ranks": s["dsmem_ranks"],
         "shared_kib": shared_sm / 1024,
+        "prefetch": prefetched_share(mode, plan, elem, s["bursts"]),
     }
     rows_per_step = u["units"] * u["rows_per_unit"]
     steps = math.ceil(M / rows_per_step)
@@ -685,8 +706,16 @@ def features(facts: dict) -> dict:
 
 
 def period_us(f: dict, us_per: dict) -> float:
-    """A unit's period: the fitted constants and the assumed one times their features."""
-    return sum(us_per[k] * f[k] for k in FEATURES) + sum(v * f[k] for k, v in ASSUMED_US_PER.items())
+    """A unit's period: the fitted constants and the assumed one times their features, summed; for a unit that
+    prefetches (f["prefetch"]: the share of its bursts issued during the row before), those bursts (their latency,
+    and the unit's own loads) are in flight during the rest of the period, which is then the longer of the two.
+    (Not calibrated: the measured kernels did not prefetch.)"""
+    terms = {k: us_per[k] * f[k] for k in FEATURES} | {k: v * f[k] for k, v in ASSUMED_US_PER.items()}
+    share = f.get("prefetch", 0)
+    if not share:
+        return sum(terms.values())
+    hidden = share * terms["latency"] + terms["load_kib"]
+    return max(hidden, sum(terms.values()) - hidden)
 
 
 def predict(facts: dict, us_per: dict | None = None) -> dict:
@@ -914,6 +943,12 @@ def fit_constants(rows: list[dict], names: list[str], fixed: dict | None = None)
     repeatedly until the set settles. Returns all the constants and, per row, whether it was left out."""
     import numpy as np
 
+    if any(r["features"].get("prefetch") for r in rows):
+        raise ValueError(
+            "fit_constants: the least squares is linear in the features, and a prefetching kernel's period is not "
+            "(period_us); fit on cells whose kernels do not prefetch (the first H200 run's: calibrate at commit "
+            "8cf9431 or earlier, where no kernel prefetched)"
+        )
     fixed = {k: v for k, v in (fixed or {}).items() if k not in names}
     capped = [False] * len(rows)
     for _ in range(10):

@@ -28,7 +28,8 @@
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
 # The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
-# scripts/experiment_overrides.diff (its own diff no longer applies to these kernels): make it here as well,
+# scripts/experiment_overrides.diff (its own diff no longer applies to these kernels; tests/test_gpu_scripts.py checks
+# that this one does): make it here as well,
 #   nice -n 10 bash scripts/build_for_gpu.sh --experiment     (-> gpu_build_experiment/)
 # carry it beside gpu_build, and after gpu_check.sh, in the same warm machine:
 #   cp -r gpu_build_experiment/torch_ln/. torch_ln/ && cp shared/gpu-perf/{sweep,ncu_cases}.py . &&
@@ -179,9 +180,10 @@ if wants bench; then
   timeout 60 python3 -m pytest tests/test_quant.py -q -k "scaled_mm or scale_on_another_device" > "$WORK/quant_gpu.txt" 2>&1
   note "quant GPU tests exit: $?"
   pack
-  step "kernel model: measured beside predicted (the benchmark's cases)"
-  timeout 90 python3 benchmarks/kernel_model.py --compare "$WORK"/bench/{layer,rms}_norm_cuda.csv \
-    > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
+  # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
+  step "kernel model: measured against the predictions committed before the run (--score)"
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-05-kernel-model-prefetch/predictions.csv \
+    "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
 fi

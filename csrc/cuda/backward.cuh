@@ -450,6 +450,20 @@ TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, 
   to_acc(dy_raw, dy);
 }
 
+// One round of the shared-memory backward's loads of its slice of a row, x from element offset x_start and dy from
+// dy_start: vectors base, base + threads, ... (N of each), as stored, none at or past `count`; all in flight before
+// the first is used.
+template <int N, int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_slice_round(const BackwardParams<T, W, acc_t, R>& p, int64_t x_start, int64_t dy_start,
+                                 int64_t count, int64_t base, Vec<R, VEC> (&x_raw)[N], Vec<T, VEC> (&dy_raw)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const int64_t c = base + int64_t{k} * dev::block_dim_x();
+    x_raw[k] = load_vec_if<VEC>(c < count, p.x, x_start + c * VEC);
+    dy_raw[k] = load_vec_if<VEC>(c < count, p.dy, dy_start + c * VEC);
+  }
+}
+
 // Rows too long for registers (the backward of norm_forward_shared_kernel): a row per block, or per thread-block
 // cluster of p.cluster_blocks (sm_90), each block owning a slice of p.slice_vectors of the columns for all the rows
 // it walks. Per row a block reads its slices of x and dy once (kBackwardSharedUnroll vectors of each a thread, all in
@@ -514,12 +528,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     for (int64_t base = dev::thread_x(); base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
       Vec<R, VEC> x_raw[kBackwardSharedUnroll];
       Vec<T, VEC> dy_raw[kBackwardSharedUnroll];
-#pragma unroll
-      for (int k = 0; k < kBackwardSharedUnroll; ++k) {
-        const int64_t c = base + int64_t{k} * threads;
-        x_raw[k] = load_vec_if<VEC>(c < row_count, p.x, x_start + c * VEC);
-        dy_raw[k] = load_vec_if<VEC>(c < row_count, p.dy, row_start + c * VEC);
-      }
+      load_slice_round(p, x_start, row_start, row_count, base, x_raw, dy_raw);
 #pragma unroll
       for (int k = 0; k < kBackwardSharedUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
@@ -544,18 +553,32 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     }
     cluster_sum2(sum_g, sum_g_xhat, threads, scratch);
     if (!active || p.dx == nullptr) continue;
-    for (int64_t c = dev::thread_x(); c < count; c += threads) {
-      acc_t xhat[VEC], dy[VEC], w[VEC];
-      if (p.row_on_chip) {
-        x_slice.load(c, xhat);
-        dy_slice.load(c, dy);
-      } else {
-        row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + x_start) + c),
-                   dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
+    // A row too long for the cluster's shared memory is read again (mostly from L2), kReread vectors of x and of dy
+    // a thread, all in flight before the first is used (one at a time, a thread had two loads in flight: float32
+    // D=262144 ran at 48% of copy).
+    constexpr int kReread = backward_reread_unroll(VEC, sizeof(acc_t));
+    for (int64_t base = dev::thread_x(); base < count; base += int64_t{kReread} * threads) {
+      Vec<R, VEC> x_raw[kReread];
+      Vec<T, VEC> dy_raw[kReread];
+      if (kReread > 1 && !p.row_on_chip) load_slice_round(p, x_start, row_start, count, base, x_raw, dy_raw);
+#pragma unroll
+      for (int k = 0; k < kReread; ++k) {
+        const int64_t c = base + int64_t{k} * threads;
+        if (c >= count) break;
+        acc_t xhat[VEC], dy[VEC], w[VEC];
+        if (p.row_on_chip) {
+          x_slice.load(c, xhat);
+          dy_slice.load(c, dy);
+        } else if constexpr (kReread == 1) {  // plain loads, as used
+          row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + x_start) + c),
+                     dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
+        } else {
+          row_vector(x_raw[k], dy_raw[k], xhat, dy);
+        }
+        to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);  // as the first pass computed it
+        slice_weight(p, weight_slice, first, c, w);
+        store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
       }
-      to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);  // as the first pass computed it
-      slice_weight(p, weight_slice, first, c, w);
-      store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
     }
   }
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores

@@ -347,11 +347,28 @@ struct SlicedParams {
   }
 };
 
+// A thread's loads of x for one row of a register kernel's tile (tile + layout.row_in_block of the batch's rows):
+// its vectors as stored, predicated (none beyond the rows or the row), all issued before the first use.
+template <int VEC, int ITEMS, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_tile_row(const ForwardParams<T, W, acc_t, R>& p, const RowLayout& layout, const GroupWalk& walk,
+                              int64_t tile, int64_t batch_rows, Vec<T, VEC> (&raw)[ITEMS]) {
+  const bool active = tile + layout.row_in_block < batch_rows;
+  const T* x_row = p.x + p.x_rows.offset(walk.row(tile + layout.row_in_block));
+  const int64_t nvec = p.cols / VEC;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, x_row, layout.vector(k) * VEC);
+  }
+}
+
 // Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
 // RowLayout), read from global memory once. A block walks many rows (its grid is
 // one wave, launch_forward_typed), reading the weight and bias from its shared
 // copy when p.staged_params (the launcher's choice: the copy fits the device's
 // shared memory without lowering the occupancy), from global memory otherwise.
+// Where the next row as stored fits beside this one (prefetches_next_row), its loads are issued as soon as this
+// row's are converted: they are in flight during this row's reductions and stores, so the unit's load stream does
+// not stop for each row (without them, its loads are idle for the row's reduce-and-store time).
 // QUANTIZED (here and in the long-row kernels): the *_quant operators' instance (p.quant), a template argument so
 // that the plain kernels keep their registers (a runtime branch raised them by up to 24). GATED (here and in the
 // multi-pass kernel): the gated RMSNorm's instance (p.gate), whose blocks walk the rows of one group (GroupWalk).
@@ -359,31 +376,28 @@ template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int
           bool GATED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_threads)
     norm_forward_kernel(ForwardParams<T, W, acc_t, R> p) {
+  constexpr bool kPrefetch = prefetches_next_row(ITEMS * VEC * sizeof(T));
   const GroupWalk walk = group_walk<GATED>(p);
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const StagedParams<W, VEC> staged(p, shared);
   acc_t* smem = reinterpret_cast<acc_t*>(
       shared + (p.staged_params ? staged_params_bytes(p.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W)) : 0));
+  const RowLayout layout(p.threads_per_row);
+  const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
+  const int64_t batch_rows = p.rows / walk.groups;
+  const int64_t tile_step = walk.units * layout.rows_per_block;
+  // x as stored, converted after. (A residual is read vector by vector as it is added: float32 rows would spill
+  // holding both x and the residual as stored.)
+  Vec<T, VEC> raw[ITEMS];
+  if constexpr (kPrefetch) load_tile_row(p, layout, walk, walk.unit * layout.rows_per_block, batch_rows, raw);
   if (p.staged_params) {
     staged.fill(p);
     dev::sync_threads();
   }
-  const RowLayout layout(p.threads_per_row);
-  const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
-  const int64_t batch_rows = p.rows / walk.groups;
-  for (int64_t tile = walk.unit * layout.rows_per_block; tile < batch_rows;
-       tile += walk.units * layout.rows_per_block) {
+  for (int64_t tile = walk.unit * layout.rows_per_block; tile < batch_rows; tile += tile_step) {
     const bool active = tile + layout.row_in_block < batch_rows;
     const int64_t row = walk.row(tile + layout.row_in_block);
-    // Every load of x in the row is issued before the first use: predicated loads of the vectors as stored,
-    // converted after. (A residual is read vector by vector as it is added: float32 rows would spill holding
-    // both x and the residual as stored.)
-    Vec<T, VEC> raw[ITEMS];
-    const T* x_row = p.x + p.x_rows.offset(row);
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      raw[k] = load_vec_if<VEC>(active && layout.vector(k) < nvec, x_row, layout.vector(k) * VEC);
-    }
+    if constexpr (!kPrefetch) load_tile_row(p, layout, walk, tile, batch_rows, raw);
     acc_t v[ITEMS][VEC];
     acc_t sum = acc_t(0);
 #pragma unroll
@@ -396,6 +410,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
         sum += vector_sum(v[k]);
       }
     }
+    if constexpr (kPrefetch) load_tile_row(p, layout, walk, tile + tile_step, batch_rows, raw);
     const acc_t mean =
         KIND == NormKind::LayerNorm ? row_reduce(sum, p.threads_per_row, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
     // Two-pass variance over the registers: no E[x^2] - E[x]^2 cancellation.
@@ -483,6 +498,20 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
   }
 }
 
+// One round of the shared-memory kernel's loads of its slice of a row (vectors [first, first + count) of the row):
+// vectors base, base + threads, ... (kSharedRowUnroll of them) as stored, none past the slice or the rows.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_slice_round(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t first, int64_t count,
+                                 int64_t base, Vec<T, VEC> (&raw)[kSharedRowUnroll]) {
+  const bool active = row < p.rows;
+  const int64_t x_start = p.x_rows.offset(row) + first * VEC;
+#pragma unroll
+  for (int k = 0; k < kSharedRowUnroll; ++k) {
+    const int64_t c = base + int64_t{k} * dev::block_dim_x();
+    raw[k] = load_vec_if<VEC>(active && c < count, p.x, x_start + c * VEC);
+  }
+}
+
 // Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
 // row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
@@ -510,16 +539,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       first};
   if (p.staged_params) params.fill(p, count);
   ClusterReduce2<acc_t> cluster_reduce2{partials, cluster};
-  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += dev::grid_dim_x() / cluster) {
-    const int64_t x_start = p.x_rows.offset(row) + first * VEC;  // element offset of the slice in x
+  const int64_t row_step = dev::grid_dim_x() / cluster;
+  // The slice's first round of loads (kSharedRowUnroll vectors a thread) of the row the block walks next is issued
+  // as soon as this row's are staged: it is in flight during this row's reductions and its normalize pass.
+  Vec<T, VEC> raw[kSharedRowUnroll];
+  load_slice_round(p, dev::block_x() / cluster, first, count, dev::thread_x(), raw);
+  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += row_step) {
     acc_t sum = acc_t(0);
     for (int64_t base = dev::thread_x(); base < count; base += int64_t{kSharedRowUnroll} * threads) {
-      Vec<T, VEC> raw[kSharedRowUnroll];
-#pragma unroll
-      for (int k = 0; k < kSharedRowUnroll; ++k) {
-        const int64_t c = base + int64_t{k} * threads;
-        raw[k] = load_vec_if<VEC>(c < count, p.x, x_start + c * VEC);
-      }
+      if (base != dev::thread_x()) load_slice_round(p, row, first, count, base, raw);  // rounds after the first
 #pragma unroll
       for (int k = 0; k < kSharedRowUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
@@ -535,6 +563,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         sum += vector_sum(v);
       }
     }
+    load_slice_round(p, row + row_step, first, count, dev::thread_x(), raw);
     acc_t mean = acc_t(0), unused = acc_t(0);
     if (KIND == NormKind::LayerNorm) {
       cluster_reduce2(sum, unused, threads, scratch);

@@ -50,6 +50,12 @@ constexpr RegisterBudget gated_budget(RegisterBudget budget, bool gated) {
                : budget;
 }
 
+// Whether a forward register kernel holds the next row's loads beside this row's values (norm_forward_kernel):
+// where that row, as stored, is at most 64 bytes a thread (16 registers). Beyond it (the 8-vector tiers of float32
+// and float64 rows) ptxas would spill at the 128 registers of a 512-thread block.
+constexpr int kPrefetchBytes = 64;
+constexpr bool prefetches_next_row(size_t row_bytes_per_thread) { return row_bytes_per_thread <= kPrefetchBytes; }
+
 // A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.
 constexpr RegisterBudget for_accumulator(RegisterBudget budget, int acc_bytes) {
   return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads,
@@ -106,6 +112,13 @@ inline int next_pow2(int64_t n) {
 constexpr int kSharedRowThreads = 512;
 constexpr int kSharedRowUnroll = 8;
 constexpr int kBackwardSharedUnroll = 4;  // the backward loads x and dy: 8 vectors a thread in flight
+// The backward's second read of a row too long for its cluster's shared memory: vectors of x and of dy a thread in
+// flight together, kBackwardSharedUnroll where a vector converted to the accumulator is at most 16 bytes (float32,
+// float64, the scalar path); one at a time for 16-bit rows, whose kernels sit at the 128 registers of their
+// 512-thread blocks (two at a time spilled them).
+constexpr int backward_reread_unroll(int vec, int acc_bytes) {
+  return vec * acc_bytes <= kVectorBytes ? kBackwardSharedUnroll : 1;
+}
 constexpr int kPortableClusterBlocks = 8;
 constexpr int kMaxClusterBlocks = 16;
 

@@ -762,6 +762,37 @@ def test_deterministic(kind, cols):
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,cols,prefetches",
+    [
+        (torch.bfloat16, 4096, True),  # a block a row, 4 vectors a thread (64 bytes as stored): prefetches
+        (torch.float32, 64, True),  # 4 rows a warp (8 threads each), 16 a block, 2 vectors a thread
+        (torch.float32, 1024, False),  # 8 vectors a thread (128 bytes): too many registers to prefetch
+        (torch.float32, 1001, True),  # the scalar path: 8 scalars a thread, 32 bytes
+    ],
+)
+def test_forward_prefetch_walks_rows(kind, dtype, cols, prefetches):
+    # Regression guard for the forward register kernel's prefetch (it issues the next tile's loads before this
+    # tile's reductions): on a device that holds one block, which walks every tile, 37 rows (prime: where rows
+    # share a block, the last tile is partly idle) come out bitwise as each row alone, and within the accuracy rule
+    # against torch's.
+    rows = 37
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan(
+        "fwd", rows, cols, dtype.itemsize, cols * dtype.itemsize % 16 == 0
+    )
+    assert (items * vec * dtype.itemsize <= 64) == prefetches  # kPrefetchBytes (csrc/cuda/launch_plan.h)
+    with _device(sms=1):
+        ops.set_device(1, threads_per_row * rows_per_block)  # one block resident: the grid is one block
+        (walked,), launch = _forward_kernel(kind, x, weight, bias)
+        assert launch["grid"] == 1 and rows > rows_per_block
+        for r in (0, 17, rows - 1):
+            (alone,), _ = _forward_kernel(kind, x[r : r + 1].clone(), weight, bias)
+            assert torch.equal(walked[r], alone[0]), f"row {r}"
+    _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("cols", [7, 64, 2048, 9000])
 def test_batch_invariant(kind, cols):
     # Row 5 alone, and inside batches of 6 rows and of many (other grids, other slots).

@@ -106,9 +106,11 @@ FORWARD_REGISTER_CASES = [c for c in CASES if c[1] == "fwd" and c[3] <= 16384]
 @pytest.mark.parametrize("op,mode,dtype,cols", FORWARD_REGISTER_CASES)
 def test_forward_reads_parameters_once_per_block(op, mode, dtype, cols):
     # A device that holds one block: it walks all ROWS rows (several tiles) and reads the weight and bias once,
-    # into its shared copy.
+    # into its shared copy; x once as well: where the kernel prefetches the next tile's row, the loads past the
+    # last tile are predicated off.
     _, _, threads_per_row, rows_per_block, *_ = kernel_model.ops().plan(mode, ROWS, cols, dtype.itemsize, True)
     launch = kernel_model.emulate(op, mode, cols, ROWS, dtype, (1, threads_per_row * rows_per_block))[0]
     assert launch["grid"] == 1 and ROWS > rows_per_block
+    assert launch["regions"]["x"][0] == ROWS * cols * dtype.itemsize, "x is read more than once"
     for name in ["weight", "bias"][: kernel_model.parameter_count(op)]:
         assert launch["regions"][name][0] == cols * dtype.itemsize, f"{name} is read more than once"

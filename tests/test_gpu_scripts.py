@@ -1,0 +1,33 @@
+"""The prepared GPU run's scripts stay usable between GPU sessions (a lent GPU is rare: a script found broken there
+costs its lease).
+
+scripts/experiment_overrides.diff (the TLN_X_* switches that ../shared/gpu-perf/sweep.py times) must apply to the
+sources as they are: `bash scripts/build_for_gpu.sh --experiment` applies it to a copy of them. It was found not to
+apply after the gated norm's kernels changed the launchers (2026-12-05); this catches the next such change here,
+on the CPU, instead of on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIFF = ROOT / "scripts" / "experiment_overrides.diff"
+
+
+def test_experiment_overrides_apply_to_the_sources(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: `git apply --check` is the check")
+    text = DIFF.read_text()
+    body = text[text.index("diff --git ") :]  # the prose above the first file header is the diff's description
+    patch = tmp_path / "body.diff"
+    patch.write_text(body)
+    result = subprocess.run(
+        ["git", "apply", "--check", str(patch)], check=False, cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, f"{DIFF.name} no longer applies to csrc/: port it\n{result.stderr}"
+    assert "TLN_X_PREFETCH" in body and "TLN_X_NO_WAVE_CAP" in body  # the switches sweep.py times
