@@ -101,15 +101,22 @@ FEATURES = {
     "load_kib": "the unit's own loads per SM per step: the last load of a burst waits behind the rest",
     "store_kib": "the SM's stores per step (all its units): a unit's next loads queue behind them",
     "barriers": "block barriers per step (__syncthreads, with the warps' skew and the row sums read between them)",
-    "dsmem_ranks": "ranks read over distributed shared memory per step: each cluster reduction reads every block's "
-    "partials (generic loads, after a cluster barrier that fences the GPU: MEMBAR.ALL.GPU)",
+    "dsmem_ranks": "ranks read over distributed shared memory per step: each cluster reduction of the calibrated "
+    "kernels read every block's partials (generic loads, after a cluster barrier that fences the GPU: MEMBAR.ALL.GPU); "
+    "0 for today's kernels, which exchange them by st.async and mbarriers (cluster_exchanges)",
     "shared_kib": "the SM's shared-memory vector traffic per step (staging, passes, weights, gradient sums)",
 }
 
 # Not fitted: a lone round trip that hits L2 (the backward's second read of a row too long for the cluster's shared
 # memory, weights read per row from global memory). No calibration cell isolates it; Hopper-class L2 hits take about
 # 200-300 cycles (about 0.13 us at 1.98 GHz): an assumption, to be measured (ncu: l1tex__t_sectors_lookup_hit).
-ASSUMED_US_PER = {"lone_l2": 0.13}
+#
+# Not fitted either: a cluster reduction's exchange (ClusterReduce2: each block's results stored into every block by
+# st.async, completing on the receiver's mbarrier; no cluster barrier), which no measured kernel had. Its dependent
+# chain is one distributed shared-memory store (about 180-210 cycles on Hopper by published microbenchmarks) and the
+# mbarrier's completion and wake-up: about 0.2 us, an assumption to be measured (ncu: the shared-memory kernels'
+# stall reasons at the mbarrier wait).
+ASSUMED_US_PER = {"lone_l2": 0.13, "cluster_exchanges": 0.2}
 
 # Fitted by `--calibrate` on benchmarks/results/2026-12-04-h200-torch2.11/
 # {layer_norm,add_layer_norm,add_rms_norm}_cuda.csv
@@ -358,9 +365,10 @@ def _row_sum_requests(threads_per_row: int) -> int:
 
 def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) -> dict:
     """What one row costs a unit, counted from the kernels' code (csrc/cuda/forward.cuh, backward.cuh, reduce.cuh)
-    for the plan's path: per row, summed over the row's blocks, the block barriers, cluster barriers, the ranks the
-    cluster reductions read over distributed shared memory, the shared-memory requests (warp instructions) and the
-    bytes of the vector ones. Per step (one row per unit), the dependent load rounds, read from the SASS for sm_90:
+    for the plan's path: per row, summed over the row's blocks, the block barriers, cluster barriers (none per row
+    since the st.async exchange), the ranks the cluster reductions read over distributed shared memory (none since:
+    dsmem_ranks describes the calibrated kernels), the shared-memory requests (warp instructions) and the bytes of the
+    vector ones; per block, the cluster reductions' exchanges. Per step (one row per unit), the dependent load rounds, read from the SASS for sm_90:
     `bursts` of loads in flight together, `lone_dram` loads from DRAM each used before the next is issued (the fused
     add's residual, read vector by vector each in its own branch, and its gradient in the backward's store phase),
     `lone_l2` such loads that hit L2 (weights read from global memory per row, the backward's second read of a row
@@ -370,7 +378,13 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
     vec = plan["vec"]
     nvec = -(-D // vec)
     ln = op == "layer_norm"
-    out = {"barriers": 0.0, "cluster_syncs": 0.0, "dsmem_ranks": 0.0, "shared_requests": 0.0, "shared_bytes": 0.0}
+    out = {
+        "barriers": 0.0,
+        "dsmem_ranks": 0.0,
+        "cluster_exchanges": 0.0,
+        "shared_requests": 0.0,
+        "shared_bytes": 0.0,
+    }
     if plan["path"] == "registers":
         tpr, items = plan["threads_per_row"], plan["items"]
         per_lane = min(items, -(-nvec // tpr))  # the vectors a lane of the row holds, at most
@@ -399,8 +413,10 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
         assert count * c >= nvec and (count - 1) * c < nvec, "the slices of this D are not equal"
         slots = -(-count // 32)  # warp instructions per pass over the slice
         per_thread = -(-count // threads)
-        calls = (2 if ln else 1) if mode == "fwd" else 1  # ClusterSum2 calls per row
-        per_block_scalar = calls * (_row_sum_requests(threads) + (2 + warps * 2 * c if c > 1 else 0))
+        calls = (2 if ln else 1) if mode == "fwd" else 1  # ClusterReduce2 calls per row
+        # Per exchange: every warp's reads of the c results (the st.async into the c blocks, a few bytes of
+        # distributed shared memory, are not counted: simt_emulator.h).
+        per_block_scalar = calls * (_row_sum_requests(threads) + (warps * 2 * c if c > 1 else 0))
         if mode == "fwd":
             params = parameter_count(op) if plan["slice_params"] else 0
             vector = slots * (3 * _pieces(vec, elem) + params * _pieces(vec, elem))
@@ -435,8 +451,7 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             )
             out["lone_dram"] = per_thread if fused and on_chip else 0
         out["barriers"] = c * calls * 2.0
-        out["cluster_syncs"] = c * calls * (1.0 if c > 1 else 0.0)
-        out["dsmem_ranks"] = calls * c if c > 1 else 0.0  # per block: each reduction reads every block's partials
+        out["cluster_exchanges"] = calls if c > 1 else 0.0  # per block: each waits for every reduction's exchange
         out["shared_requests"] = c * (vector + per_block_scalar)
         out["shared_bytes"] = c * vector_bytes
         return out
@@ -457,7 +472,7 @@ def structure_mismatch(s: dict, plan: dict, per_row: dict) -> str:
     longer describes them."""
     if s["shared_requests"] is None:
         return "not checked (multi-pass)"
-    barriers = s["barriers"] + s["cluster_syncs"]
+    barriers = s["barriers"]
     if plan["path"] == "registers":  # block barriers: per block per tile of rpb rows
         barriers /= plan["rows_per_block"]
     emulated = (per_row["shared_requests"], per_row["barriers"])
@@ -681,6 +696,7 @@ def features(facts: dict) -> dict:
         "store_kib": per_row["store_bytes"] * rows_sm / 1024,
         "barriers": barriers_step,
         "dsmem_ranks": s["dsmem_ranks"],
+        "cluster_exchanges": s["cluster_exchanges"],
         "shared_kib": shared_sm / 1024,
         "prefetch": prefetched_share(mode, plan, elem, s["bursts"]),
     }
@@ -710,7 +726,8 @@ def period_us(f: dict, us_per: dict) -> float:
     prefetches (f["prefetch"]: the share of its bursts issued during the row before), those bursts (their latency,
     and the unit's own loads) are in flight during the rest of the period, which is then the longer of the two.
     (Not calibrated: the measured kernels did not prefetch.)"""
-    terms = {k: us_per[k] * f[k] for k in FEATURES} | {k: v * f[k] for k, v in ASSUMED_US_PER.items()}
+    # (the calibration cells' stored features predate cluster_exchanges: their kernels had none)
+    terms = {k: us_per[k] * f[k] for k in FEATURES} | {k: v * f.get(k, 0.0) for k, v in ASSUMED_US_PER.items()}
     share = f.get("prefetch", 0)
     if not share:
         return sum(terms.values())
@@ -813,7 +830,7 @@ def path_name(plan: dict) -> str:
 def table(records: list[dict]) -> str:
     head = (
         f"{'op':<14} {'mode':<4} {'dtype':<8} {'D':>6} {'M':>8} {'path':<11} {'unit':<9} {'u/SM':>4} {'regs':>4} "
-        f"{'steps':>6} {'lat':>5} {'ld KiB':>6} {'st KiB':>6} {'bar':>4} {'ranks':>5} {'smem KiB':>8} "
+        f"{'steps':>6} {'lat':>5} {'ld KiB':>6} {'st KiB':>6} {'bar':>4} {'xchg':>5} {'smem KiB':>8} "
         f"{'period us':>9} {'pred us':>8} {'% copy':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -823,7 +840,7 @@ def table(records: list[dict]) -> str:
         lines.append(
             f"{op:<14} {r['mode']:<4} {r['dtype']:<8} {r['D']:>6} {r['M']:>8} {path_name(r['plan']):<11} "
             f"{u['unit']:<9} {u['units_per_sm']:>4} {r['registers']:>4} {r['steps']:>6} {f['latency']:>5.2f} "
-            f"{f['load_kib']:>6.1f} {f['store_kib']:>6.1f} {f['barriers']:>4.1f} {f['dsmem_ranks']:>5.0f} "
+            f"{f['load_kib']:>6.1f} {f['store_kib']:>6.1f} {f['barriers']:>4.1f} {f['cluster_exchanges']:>5.0f} "
             f"{f['shared_kib']:>8.1f} {r['period_us']:>9.3f} {r['predicted_us']:>8.1f} {r['predicted_pct_copy']:>5.0f}%"
             + ("" if r["structure_check"] == "ok" else f"  [{r['structure_check']}]")
         )

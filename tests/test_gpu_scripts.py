@@ -31,3 +31,10 @@ def test_experiment_overrides_apply_to_the_sources(tmp_path):
     )
     assert result.returncode == 0, f"{DIFF.name} no longer applies to csrc/: port it\n{result.stderr}"
     assert "TLN_X_PREFETCH" in body and "TLN_X_NO_WAVE_CAP" in body  # the switches sweep.py times
+
+
+def test_gpu_check_scores_committed_predictions():
+    # The bench phase scores the run against predictions written before it: the file it names must be committed.
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    named = [w for w in script.split() if w.endswith("predictions.csv")]
+    assert named and all((ROOT / w).is_file() for w in named), named

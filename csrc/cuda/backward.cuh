@@ -482,8 +482,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const bool dweight = p.partial_dweight != nullptr;
   const bool dbias = KIND == NormKind::LayerNorm && p.partial_dbias != nullptr;
-  const SharedRowLayout layout(p.slice_vectors * VEC, p.row_on_chip ? sizeof(R) : 0, int{p.staged_weight}, sizeof(W),
-                               sizeof(acc_t), p.row_on_chip ? sizeof(T) : 0, int{dweight} + int{dbias});
+  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, p.row_on_chip ? sizeof(R) : 0,
+                               int{p.staged_weight}, sizeof(W), sizeof(acc_t), p.row_on_chip ? sizeof(T) : 0,
+                               int{dweight} + int{dbias});
   auto vectors = [&](auto elem, size_t offset) {
     using E = decltype(elem);
     return SharedVectors<E, VEC>{reinterpret_cast<typename SharedVectors<E, VEC>::Piece*>(shared + offset),
@@ -510,11 +511,10 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     if (dweight) dweight_sums.store(c, zeros);
     if (dbias) dbias_sums.store(c, zeros);
   }
-  ClusterReduce2<acc_t> cluster_sum2{reinterpret_cast<acc_t*>(shared + layout.partials), cluster,
-                                     static_cast<unsigned>(group * cluster)};
+  ClusterReduce2<acc_t> cluster_sum2(shared + layout.exchange, cluster);
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
-  // A cluster's groups walk their rows in lockstep, group g row lead + g (the row sums' barriers are the whole
-  // cluster's): a group past the last row takes the barriers with nothing to add.
+  // A cluster's groups walk the same leads, group g row lead + g, each reducing its row sums within the group: a
+  // group past the last row takes its reductions with nothing to add.
   for (int64_t lead = dev::block_x() / cluster - group; lead < p.rows; lead += dev::grid_dim_x() / cluster) {
     const int64_t row = lead + group;
     const bool active = row < p.rows;
@@ -611,7 +611,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       store_vec<VEC>(p.partial_dbias + slot * p.cols, (first + c) * VEC, sum);
     }
   }
-  if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
+  // No barrier before exiting: as the forward's shared-memory kernel.
 }
 
 // The backward's kernels by register tier, for launch_rows; GATED: the gated RMSNorm's instances (no LayerNorm form,

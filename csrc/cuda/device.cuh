@@ -140,6 +140,71 @@ TLN_DEVICE const T* cluster_shared(const T* p, unsigned rank) {
 #endif
 }
 
+// mbarriers and st.async (sm_90), the cluster reductions' exchange (ClusterReduce2). An mbarrier, 8 bytes of the
+// block's shared memory, completes a phase when the arrivals given at init have come and the bytes they expect have
+// landed; its wait takes the parity of the phase to wait for. store_async_pair stores two values into block `rank`'s
+// shared memory at the location `p` names in this block's, completing their bytes on that block's mbarrier `bar`.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+TLN_DEVICE unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+TLN_DEVICE unsigned peer_shared_address(const void* p, unsigned rank) {
+  unsigned address;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"(shared_address(p)), "r"(rank));
+  return address;
+}
+#endif
+// Sets up the mbarrier and makes it visible to the cluster (a cluster barrier must follow before a peer uses it).
+TLN_DEVICE void mbarrier_init(uint64_t* bar, unsigned arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+TLN_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+// Acquire at cluster scope: the peers' st.async bytes are visible after it.
+TLN_DEVICE void mbarrier_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(bar)), "r"(parity)
+        : "memory");
+  }
+#else
+  __trap();
+#endif
+}
+template <typename V>
+TLN_DEVICE void store_async_pair(V* p, V a, V b, unsigned rank, uint64_t* bar) {
+  static_assert(sizeof(V) == 4 || sizeof(V) == 8, "st.async moves pairs of 32- or 64-bit values");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned to = peer_shared_address(p, rank), peer_bar = peer_shared_address(bar, rank);
+  if constexpr (sizeof(V) == 4) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(to),
+                 "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(peer_bar)
+                 : "memory");
+  } else {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b64 [%0], {%1, %2}, [%3];" ::"r"(to),
+                 "l"(__double_as_longlong(a)), "l"(__double_as_longlong(b)), "r"(peer_bar)
+                 : "memory");
+  }
+#else
+  __trap();
+#endif
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched by launch_dependent may start while the kernel ahead of
 // it on the stream is still running; it waits here (for that kernel's end and its memory) before touching its output.
 TLN_DEVICE void wait_for_prior_grid() {
@@ -342,6 +407,21 @@ inline void cluster_sync() { emu::cluster_sync(); }
 template <typename T>
 const T* cluster_shared(const T* p, unsigned rank) {
   return reinterpret_cast<const T*>(emu::map_shared_rank(p, rank));
+}
+
+inline void mbarrier_init(uint64_t* bar, unsigned arrivals, Site site = TLN_SITE) {
+  emu::mbarrier_init(bar, arrivals, {site.file_name(), site.line()});
+}
+inline void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes, Site site = TLN_SITE) {
+  emu::mbarrier_arrive_expect_tx(bar, bytes, {site.file_name(), site.line()});
+}
+inline void mbarrier_wait(uint64_t* bar, unsigned parity, Site site = TLN_SITE) {
+  emu::mbarrier_wait(bar, parity, {site.file_name(), site.line()});
+}
+template <typename V>
+void store_async_pair(V* p, V a, V b, unsigned rank, uint64_t* bar, Site site = TLN_SITE) {
+  const V pair[2] = {a, b};
+  emu::store_async(p, pair, sizeof(pair), rank, bar, {site.file_name(), site.line()});
 }
 
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }

@@ -525,9 +525,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   using ParamPieces = typename SharedVectors<W, VEC>::Piece;
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const int param_rows = p.staged_params ? int{p.weight != nullptr} + int{p.bias != nullptr} : 0;
-  const SharedRowLayout layout(p.slice_vectors * VEC, sizeof(R), param_rows, sizeof(W), sizeof(acc_t));
+  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, sizeof(R), param_rows, sizeof(W),
+                               sizeof(acc_t));
   const SharedVectors<R, VEC> slice{reinterpret_cast<RowPieces*>(shared), p.slice_vectors};
-  acc_t* partials = reinterpret_cast<acc_t*>(shared + layout.partials);
   acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
   const int cluster = p.cluster_blocks;
   const int threads = dev::block_dim_x();
@@ -538,7 +538,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
       first};
   if (p.staged_params) params.fill(p, count);
-  ClusterReduce2<acc_t> cluster_reduce2{partials, cluster};
+  ClusterReduce2<acc_t> cluster_reduce2(shared + layout.exchange, cluster);
   const int64_t row_step = dev::grid_dim_x() / cluster;
   // The slice's first round of loads (kSharedRowUnroll vectors a thread) of the row the block walks next is issued
   // as soon as this row's are staged: it is in flight during this row's reductions and its normalize pass.
@@ -617,7 +617,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       }
     }
   }
-  if (cluster > 1) dev::cluster_sync();  // no block exits while another may still read its partial sums
+  // No barrier before exiting: no block reads another's shared memory, and every store into a block completes a
+  // phase the block waits for.
 }
 
 // The forward's kernels by register tier, for launch_rows; QUANTIZED: their *_quant instances; GATED: the gated

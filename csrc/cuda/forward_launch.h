@@ -94,7 +94,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
   const auto launch = [&](auto kernel) {
     if (plan.shared_row()) {  // a cluster of blocks per row, as many clusters as the device holds at once
       const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
-                              .layout(plan.slice_vectors, plan.vec, plan.slice_params)
+                              .layout(plan.slice_vectors, plan.cluster_blocks, plan.vec, plan.slice_params)
                               .total;
       size_cluster_grid(kernel, plan, a.rows, smem, limits, plan.cluster_blocks);
       launch_in_clusters(kernel, plan.cluster_blocks, plan, smem, stream, p);

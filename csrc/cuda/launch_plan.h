@@ -121,23 +121,29 @@ constexpr int backward_reread_unroll(int vec, int acc_bytes) {
 }
 constexpr int kPortableClusterBlocks = 8;
 constexpr int kMaxClusterBlocks = 16;
+// The cluster reductions' room in shared memory (ClusterReduce2) for rows over `blocks` blocks: two mbarriers, then
+// two halves of a pair of accumulators from each block; none for a block alone.
+constexpr size_t cluster_exchange_bytes(size_t acc_bytes, int blocks) {
+  return blocks > 1 ? 2 * sizeof(uint64_t) + 2 * static_cast<size_t>(blocks) * 2 * acc_bytes : 0;
+}
 
 // Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
 // (`slice_elems` of `row_elem_bytes`; the backward's x, then its dy, of `dy_elem_bytes`), of the weight and of the
 // bias (`param_rows` of them, each of `param_elem_bytes`, where the block keeps them), the backward's weight/bias
-// gradient sums (`grad_rows` of `acc_bytes`), the two partial sums of two cluster reductions, the row-sum scratch.
+// gradient sums (`grad_rows` of `acc_bytes`), the cluster reductions' exchange (rows over `cluster_blocks` blocks),
+// the row-sum scratch.
 struct SharedRowLayout {
-  size_t dy, weight, bias, grads, partials, scratch, total;
+  size_t dy, weight, bias, grads, exchange, scratch, total;
 
   static constexpr size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
-  constexpr SharedRowLayout(int64_t slice_elems, size_t row_elem_bytes, int param_rows, size_t param_elem_bytes,
-                            size_t acc_bytes, size_t dy_elem_bytes = 0, int grad_rows = 0)
+  constexpr SharedRowLayout(int64_t slice_elems, int cluster_blocks, size_t row_elem_bytes, int param_rows,
+                            size_t param_elem_bytes, size_t acc_bytes, size_t dy_elem_bytes = 0, int grad_rows = 0)
       : dy(round16(slice_elems * row_elem_bytes)),
         weight(dy + round16(slice_elems * dy_elem_bytes)),
         bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
         grads(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
-        partials(grads + grad_rows * round16(slice_elems * acc_bytes)),
-        scratch(partials + 4 * acc_bytes),
+        exchange(grads + grad_rows * round16(slice_elems * acc_bytes)),
+        scratch(exchange + cluster_exchange_bytes(acc_bytes, cluster_blocks)),
         total(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)) {}
 };
 
@@ -154,14 +160,10 @@ struct SharedRowSpace {
   int grad_rows = 0;
 
   // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
-  SharedRowLayout layout(int64_t slice_vectors, int vec, bool with_params, bool with_row = true) const {
-    return {slice_vectors * vec,
-            with_row ? row_elem_bytes : 0,
-            with_params ? param_rows : 0,
-            param_elem_bytes,
-            acc_bytes,
-            with_row ? dy_elem_bytes : 0,
-            grad_rows};
+  SharedRowLayout layout(int64_t slice_vectors, int cluster_blocks, int vec, bool with_params,
+                         bool with_row = true) const {
+    return {slice_vectors * vec, cluster_blocks, with_row ? row_elem_bytes : 0, with_params ? param_rows : 0,
+            param_elem_bytes,    acc_bytes,      with_row ? dy_elem_bytes : 0,  grad_rows};
   }
 };
 
@@ -171,7 +173,7 @@ struct SharedRowSpace {
 inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bool with_params, bool with_row) {
   if (s.smem_per_block == 0) return 0;  // no shared-memory path
   for (int c = 1; c <= std::min(s.max_cluster_blocks, kMaxClusterBlocks); c *= 2) {
-    if (s.layout(ceil_div(nvec, c), vec, with_params, with_row).total <= s.smem_per_block) return c;
+    if (s.layout(ceil_div(nvec, c), c, vec, with_params, with_row).total <= s.smem_per_block) return c;
   }
   return 0;
 }

@@ -124,34 +124,59 @@ TLN_DEVICE V row_reduce(V a, int threads_per_row, V* smem, Combine combine = {})
   return a;
 }
 
-// Combines two values over a row's `blocks` blocks of a thread-block cluster, ranks first_rank.. (the cluster may
-// hold several rows' groups of them): each block's results (row_reduce2), then every block combines the group's
-// results in rank order from their shared memory, so all get the bitwise same values (sums, by default).
-// Consecutive reductions alternate between two slots of `partials` (4 values): a slot is rewritten only after the
-// cluster barrier of the reduction in between, which every block passes after it has read the slot. A template of
-// the accumulator alone: the same code serves every kernel instance.
+// Combines two values over a row's `blocks` blocks of a thread-block cluster, a group of consecutive ranks (the
+// cluster may hold several rows' groups of them): each block's results (row_reduce2, which leaves them in every
+// thread), then thread r of each block stores them by st.async into its rank's slot in block r of the group,
+// completing on that block's mbarrier (thread 0 arrives on its own, expecting the group's bytes), and every block
+// combines the group's results in rank order from its own shared memory after its wait, so all get the bitwise same
+// values (sums, by default). No cluster barrier per reduction: those fence the GPU (MEMBAR.ALL.GPU) and hold the
+// cluster's blocks in lockstep. Consecutive reductions alternate between two halves of the exchange, each with its
+// mbarrier: a block stores into a peer's half for reduction n + 2 only after its reduction n + 1 completed, which
+// needed the peer's results of n + 1, which the peer sends after its block barrier following its reads of that half
+// for reduction n (row_reduce2 synchronizes the block; the race check holds the kernels to it). A template of the
+// accumulator alone: the same code serves every kernel instance.
 template <typename acc_t>
 struct ClusterReduce2 {
-  acc_t* partials;
+  // Per half: every block's results have landed; then, per half and rank, a pair of results (result()).
+  uint64_t* arrived;
   int blocks;
-  unsigned first_rank = 0;
   int reductions = 0;
+
+  // Every thread of the cluster, before the first reduction: the mbarriers set up and seen by every peer. `room`:
+  // the exchange's place in shared memory (SharedRowLayout::exchange).
+  TLN_DEVICE ClusterReduce2(void* room, int blocks) : arrived(static_cast<uint64_t*>(room)), blocks(blocks) {
+    if (blocks == 1) return;
+    if (dev::thread_x() == 0) {
+      dev::mbarrier_init(&arrived[0], 1);
+      dev::mbarrier_init(&arrived[1], 1);
+    }
+    dev::cluster_sync();
+  }
+
+  TLN_DEVICE acc_t* result(int half, int rank) const {
+    return reinterpret_cast<acc_t*>(arrived + 2) + 2 * (half * blocks + rank);
+  }
 
   template <typename Combine = Plus>
   TLN_DEVICE void operator()(acc_t& a, acc_t& b, int threads, acc_t* scratch, Combine combine = {}) {
     row_reduce2(a, b, threads, scratch, combine);
     if (blocks == 1) return;
-    acc_t* slot = partials + 2 * (reductions++ & 1);
-    if (dev::thread_x() == 0) {
-      dev::store_shared(slot, a);
-      dev::store_shared(slot + 1, b);
+    const int half = reductions & 1;
+    const unsigned parity = (reductions >> 1) & 1;  // the phase of this half's mbarrier that this reduction completes
+    ++reductions;
+    uint64_t* landed = &arrived[half];
+    if (dev::thread_x() == 0) dev::mbarrier_arrive_expect_tx(landed, static_cast<unsigned>(blocks * 2 * sizeof(acc_t)));
+    if (dev::thread_x() < static_cast<unsigned>(blocks)) {  // thread r sends to the group's block r
+      const unsigned in_group = dev::cluster_rank() % blocks;
+      dev::store_async_pair(result(half, static_cast<int>(in_group)), a, b,
+                            dev::cluster_rank() - in_group + dev::thread_x(), landed);
     }
-    dev::cluster_sync();
+    dev::mbarrier_wait(landed, parity);
     a = b = acc_t(0);
     for (int rank = 0; rank < blocks; ++rank) {
-      const acc_t* remote = dev::cluster_shared(slot, first_rank + rank);
-      a = combine(a, dev::load_shared(remote));
-      b = combine(b, dev::load_shared(remote + 1));
+      const acc_t* pair = result(half, rank);
+      a = combine(a, dev::load_shared(pair));
+      b = combine(b, dev::load_shared(pair + 1));
     }
   }
 };

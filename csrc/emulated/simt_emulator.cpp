@@ -409,11 +409,36 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
 // two reads since. An access by another thread that no barrier separates from a conflicting one (write after write,
 // read after write, write after read) is a race: on a GPU its result would depend on the threads' timing. Accesses
 // of one block are separated by a completed barrier of the block or of its cluster, accesses of different blocks of
-// a cluster (distributed shared memory) by a completed cluster barrier. Warp shuffles order nothing.
+// a cluster (distributed shared memory) by a completed cluster barrier, or by an mbarrier phase (below). Warp shuffles
+// order nothing.
+// An mbarrier phase orders what its arrivals and its stores' issuers did before them (the accesses of their blocks
+// before their last block barrier, and what they knew so) before what its waiters do after their wait. Bytes an
+// st.async stored are unwritten for every thread until it has waited for the phase they complete (only the issuer may
+// overwrite them before). Conservative where an ordering runs through a block barrier after another thread's wait:
+// the kernels have every thread wait.
 struct SharedAccess {
   uint32_t rank = 0, tid = 0;  // block rank in the cluster, thread in the block
   uint64_t block_generation = 0, cluster_generation = 0;
   bool valid = false;
+  const void* mbarrier = nullptr;  // an st.async's bytes: visible after a wait for phase `phase` of this mbarrier
+  uint64_t phase = 0;
+};
+
+// What a thread knows to be ordered before it through mbarriers: per block rank of the cluster, the block generation
+// below which that block's accesses happen before it, and per mbarrier the phases it has waited for.
+struct ThreadOrder {
+  std::vector<uint64_t> known;                           // by rank
+  std::vector<std::pair<const void*, uint64_t>> waited;  // mbarrier -> phases completed when it last waited
+};
+
+// An mbarrier's state: the arrivals a phase expects and those still pending, the bytes still to land (negative where
+// stores came before the arrival that expects them), the phases completed, and the knowledge (ThreadOrder::known) its
+// current phase gathers and the last two phases passed on.
+struct Mbarrier {
+  unsigned arrivals = 0, pending = 0;
+  int64_t bytes_pending = 0;
+  uint64_t completed = 0;
+  std::vector<uint64_t> gathering, passed[2];
 };
 struct ByteShadow {
   SharedAccess write, reads[2];
@@ -433,7 +458,8 @@ class BlockState {
         warps(threads / kWarpSize),
         smem(smem_bytes > 0 ? static_cast<unsigned char*>(::operator new(smem_bytes, kSharedAlignment)) : nullptr),
         smem_bytes(smem_bytes),
-        traces(threads) {}
+        traces(threads),
+        orders(threads) {}
 
   // Groups each warp's accesses into requests and counts them; clears the traces.
   void account(LaunchTraffic& t, double bytes_per_block_slot) {
@@ -468,6 +494,8 @@ class BlockState {
   std::vector<ThreadTrace> traces;
   uint64_t syncs = 0;              // __syncthreads of the current block
   std::vector<ByteShadow> shadow;  // the race check's record of each dynamic shared byte (allocated on first use)
+  std::unordered_map<uintptr_t, Mbarrier> mbarriers;  // by address, those the current block set up
+  std::vector<ThreadOrder> orders;                    // by thread: the race check's mbarrier orderings
 };
 
 // The blocks of one cluster, run together: their states and the barrier over all their threads (a launch without
@@ -491,25 +519,51 @@ namespace {
 
 uint64_t block_generation(const ThreadContext& t) { return t.block->barrier.generation(); }
 
-// Whether `a` is absent, the calling thread's own, or separated from the calling thread by a barrier since.
-bool before_barrier(const SharedAccess& a, const ThreadContext& t) {
-  if (!a.valid || (a.rank == t.cluster_rank && a.tid == t.linear_tid)) return true;
-  if (t.cluster->barrier.generation() != a.cluster_generation) return true;
-  return a.rank == t.cluster_rank && block_generation(t) != a.block_generation;
+// The block of the calling thread's cluster whose dynamic shared memory holds [address, address + bytes), or null.
+BlockState* owner_of(const ThreadContext& t, uintptr_t address, size_t bytes) {
+  for (const auto& block : t.cluster->blocks) {
+    const auto base = reinterpret_cast<uintptr_t>(block->smem.get());
+    if (address >= base && address + bytes <= base + block->smem_bytes) return block.get();
+  }
+  return nullptr;
 }
 
-void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site) {
-  const SharedAccess now{t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true};
+ThreadOrder& order_of(const ThreadContext& t) { return t.block->orders[t.linear_tid]; }
+
+// The phases of `mbarrier` completed when the calling thread last waited on it.
+uint64_t waited_phases(const ThreadContext& t, const void* mbarrier) {
+  for (const auto& [bar, phases] : order_of(t).waited) {
+    if (bar == mbarrier) return phases;
+  }
+  return 0;
+}
+
+// Whether `a` is absent, the calling thread's own, or ordered before the calling thread's access (a `store` or not).
+bool before_barrier(const SharedAccess& a, const ThreadContext& t, bool store = false) {
+  if (!a.valid) return true;
+  const bool own = a.rank == t.cluster_rank && a.tid == t.linear_tid;
+  if (a.mbarrier != nullptr) return waited_phases(t, a.mbarrier) > a.phase || (own && store);
+  if (own || t.cluster->barrier.generation() != a.cluster_generation) return true;
+  if (a.rank == t.cluster_rank) return block_generation(t) != a.block_generation;
+  const std::vector<uint64_t>& known = order_of(t).known;
+  return a.rank < known.size() && known[a.rank] > a.block_generation;
+}
+
+// `mbarrier`, `phase`: an st.async's store, completing that phase.
+void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site, const void* mbarrier = nullptr,
+                uint64_t phase = 0) {
+  const SharedAccess now{t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true,
+                         mbarrier,       phase};
   auto race = [&](const char* kind, const SharedAccess& other) {
     std::string message = std::string(kind) + " at " + site.file + ":" + std::to_string(site.line) + ", thread " +
                           std::to_string(t.linear_tid) + " of block rank " + std::to_string(t.cluster_rank) +
                           " after thread " + std::to_string(other.tid) + " of block rank " + std::to_string(other.rank);
     if (races.size() < 4 && std::find(races.begin(), races.end(), message) == races.end()) races.push_back(message);
   };
-  if (!before_barrier(byte.write, t)) race(store ? "write after write" : "read after write", byte.write);
+  if (!before_barrier(byte.write, t, store)) race(store ? "write after write" : "read after write", byte.write);
   if (store) {
     for (const SharedAccess& read : byte.reads) {
-      if (!before_barrier(read, t)) race("write after read", read);
+      if (!before_barrier(read, t, store)) race("write after read", read);
     }
     byte = ByteShadow{now, {}};
     return;
@@ -523,18 +577,15 @@ void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site)
   }
 }
 
-void check_shared_access(const ThreadContext& t, uintptr_t address, size_t bytes, bool store, Site site) {
+void check_shared_access(const ThreadContext& t, uintptr_t address, size_t bytes, bool store, Site site,
+                         const void* mbarrier = nullptr, uint64_t phase = 0) {
   ByteShadow* shadow = nullptr;
-  for (const auto& block : t.cluster->blocks) {  // the block's own dynamic shared memory, or a cluster peer's
-    const auto base = reinterpret_cast<uintptr_t>(block->smem.get());
-    if (address >= base && address + bytes <= base + block->smem_bytes) {
-      if (block->shadow.empty()) block->shadow.resize(block->smem_bytes);
-      shadow = &block->shadow[address - base];
-      break;
-    }
+  if (BlockState* block = owner_of(t, address, bytes)) {  // the block's own dynamic shared memory, or a cluster peer's
+    if (block->shadow.empty()) block->shadow.resize(block->smem_bytes);
+    shadow = &block->shadow[address - reinterpret_cast<uintptr_t>(block->smem.get())];
   }
   for (size_t i = 0; i < bytes; ++i) {
-    check_byte(shadow != nullptr ? shadow[i] : static_shadow[address + i], t, store, site);
+    check_byte(shadow != nullptr ? shadow[i] : static_shadow[address + i], t, store, site, mbarrier, phase);
   }
 }
 
@@ -568,6 +619,41 @@ const void* map_shared_rank(const void* p, unsigned rank) {
   return t.cluster->blocks[rank]->smem.get() + (address - base);
 }
 
+namespace {
+
+constexpr size_t kMbarrierBytes = 8;
+
+Mbarrier& mbarrier_at(const ThreadContext& t, const void* bar) {
+  const auto address = reinterpret_cast<uintptr_t>(bar);
+  BlockState* owner = owner_of(t, address, kMbarrierBytes);
+  if (owner == nullptr) fail("an mbarrier outside the cluster's dynamic shared memory");
+  auto it = owner->mbarriers.find(address);
+  if (it == owner->mbarriers.end()) fail("an mbarrier used before mbarrier_init");
+  return it->second;
+}
+
+// What the calling thread passes on to the current phase of `m`: what it knows, and that its block's accesses before
+// its last block barrier come before it.
+void pass_on(const ThreadContext& t, Mbarrier& m) {
+  m.gathering.resize(t.cluster->blocks.size(), 0);
+  const std::vector<uint64_t>& known = order_of(t).known;
+  for (size_t r = 0; r < known.size(); ++r) m.gathering[r] = std::max(m.gathering[r], known[r]);
+  m.gathering[t.cluster_rank] = std::max(m.gathering[t.cluster_rank], block_generation(t));
+}
+
+// Counts an arrival or a store as progress, and completes the phase where nothing is pending.
+void complete_if_done(Mbarrier& m) {
+  ++Fibers::progress;
+  if (m.pending > 0 || m.bytes_pending > 0) return;
+  if (m.bytes_pending < 0) fail("an mbarrier phase got more bytes than its arrivals expect");
+  m.passed[m.completed & 1] = std::move(m.gathering);
+  m.gathering.clear();
+  ++m.completed;
+  m.pending = m.arrivals;
+}
+
+}  // namespace
+
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site) {
   if (space == Space::Global && this_thread().awaiting_prior_grid) {
     fail(std::string("a dependent launch touched global memory before wait_for_prior_grid at ") + site.file + ":" +
@@ -589,6 +675,60 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
     it->second = trace.position;
   }
   trace.accesses.push_back({a, static_cast<uint32_t>(bytes), store, space, site, distance});
+}
+
+void mbarrier_init(void* bar, unsigned arrivals, Site site) {
+  ThreadContext& t = this_thread();
+  const auto address = reinterpret_cast<uintptr_t>(bar);
+  if (owner_of(t, address, kMbarrierBytes) != t.block) fail("mbarrier_init: not in the block's dynamic shared memory");
+  if (arrivals == 0) fail("mbarrier_init: a phase needs at least one arrival");
+  if (racecheck) check_shared_access(t, address, kMbarrierBytes, true, site);
+  Mbarrier& m = t.block->mbarriers[address];
+  m = Mbarrier{};
+  m.arrivals = m.pending = arrivals;
+}
+
+void mbarrier_arrive_expect_tx(void* bar, unsigned bytes, Site site) {
+  ThreadContext& t = this_thread();
+  Mbarrier& m = mbarrier_at(t, bar);
+  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
+  pass_on(t, m);
+  m.bytes_pending += bytes;
+  --m.pending;
+  complete_if_done(m);
+}
+
+void mbarrier_wait(void* bar, unsigned parity, Site site) {
+  ThreadContext& t = this_thread();
+  Mbarrier& m = mbarrier_at(t, bar);  // stays put: the map's elements never move
+  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
+  while ((m.completed & 1) == (parity & 1)) Fibers::yield();
+  ThreadOrder& order = order_of(t);
+  const std::vector<uint64_t>& passed = m.passed[(m.completed - 1) & 1];
+  order.known.resize(std::max(order.known.size(), passed.size()), 0);
+  for (size_t r = 0; r < passed.size(); ++r) order.known[r] = std::max(order.known[r], passed[r]);
+  for (auto& [mbarrier, phases] : order.waited) {
+    if (mbarrier == bar) {
+      phases = std::max(phases, m.completed);
+      return;
+    }
+  }
+  order.waited.emplace_back(bar, m.completed);
+}
+
+void store_async(void* dst, const void* src, size_t bytes, unsigned rank, void* bar, Site site) {
+  ThreadContext& t = this_thread();
+  void* remote = const_cast<void*>(map_shared_rank(dst, rank));
+  void* remote_bar = const_cast<void*>(map_shared_rank(bar, rank));
+  Mbarrier& m = mbarrier_at(t, remote_bar);
+  if (racecheck) {
+    check_shared_access(t, reinterpret_cast<uintptr_t>(remote_bar), kMbarrierBytes, false, site);
+    check_shared_access(t, reinterpret_cast<uintptr_t>(remote), bytes, true, site, remote_bar, m.completed);
+  }
+  std::memcpy(remote, src, bytes);
+  pass_on(t, m);
+  m.bytes_pending -= static_cast<int64_t>(bytes);
+  complete_if_done(m);
 }
 
 void set_counting(bool on) {
@@ -681,6 +821,8 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
                        static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))};
       // Shared memory is uninitialized on a GPU: poison it for each block.
       if (tid == 0 && own.smem) std::memset(own.smem.get(), 0xFF, own.smem_bytes);
+      if (tid == 0) own.mbarriers.clear();
+      own.orders[tid] = ThreadOrder{};
       ctx.awaiting_prior_grid = dependent;  // every block of a dependent launch waits for itself
       state.barrier.arrive_and_wait("block start");
       body();

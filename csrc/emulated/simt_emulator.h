@@ -31,6 +31,12 @@ constexpr int kWarpSize = 32;
 class BlockState;
 class ClusterState;
 
+// The source line of a memory access.
+struct Site {
+  const char* file;
+  unsigned line;
+};
+
 // What one emulated thread knows about itself; set by the emulator before the
 // kernel body runs.
 struct ThreadContext {
@@ -61,6 +67,22 @@ void cluster_sync();
 // cluster (cluster.map_shared_rank); aborts for an address outside it or a rank outside the cluster.
 const void* map_shared_rank(const void* p, unsigned rank);
 
+// mbarriers (sm_90's shared-memory transaction barriers), named by the address of their 8 bytes in the calling
+// block's dynamic shared memory (the emulator keeps their state beside it). A phase completes when it has had the
+// arrivals given at init and every byte it expects (arrive_expect_tx) has landed (store_async); the next phase then
+// begins. A wait returns once the phase of parity `parity` has completed. The race check orders what a thread does
+// after its wait after everything the phase's arrivals and stores did before them.
+void mbarrier_init(void* bar, unsigned arrivals, Site site);
+void mbarrier_arrive_expect_tx(void* bar, unsigned bytes, Site site);
+void mbarrier_wait(void* bar, unsigned parity, Site site);
+
+// st.async: `bytes` of `src` stored at `dst` in the shared memory of block `rank` of the cluster, completing that many
+// bytes on its mbarrier `bar` (`dst` and `bar` given as locations in the calling block's dynamic shared memory, as
+// map_shared_rank takes them). The bytes land at once, but the race check takes them as unwritten for any thread
+// until it has waited for the phase they complete. Not counted as traffic: its lanes store into other blocks' shared
+// memory, a few bytes per cluster reduction, with no bank conflict between them.
+void store_async(void* dst, const void* src, size_t bytes, unsigned rank, void* bar, Site site);
+
 // Runs `body` as a grid of `grid` blocks of `block` threads, in clusters of
 // `cluster` blocks along x (grid.x a multiple of it). Launches are serialized;
 // the threads of a block must be a multiple of the warp size. `kernel` names
@@ -83,10 +105,6 @@ void wait_for_prior_grid();
 // unique bytes, a DRAM estimate, shared-memory bank conflicts and barriers; see
 // simt_emulator.cpp for the L2 model behind the DRAM estimate.
 enum class Space { Global, Shared };
-struct Site {
-  const char* file;
-  unsigned line;
-};
 void record_access(Space space, const void* address, size_t bytes, bool store, Site site);
 
 // Whether the shared-memory race check is on (TORCH_LN_RACECHECK=1 when the library loads): every shared access is

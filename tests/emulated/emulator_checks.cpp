@@ -1,4 +1,5 @@
 // Small launches that check the SIMT emulator itself (tests/emulated/test_emulator.py): argv[1] picks one.
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -37,6 +38,63 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf("no race\n");
+    return 0;
+  }
+  if (std::strncmp(check, "exchange", 8) == 0) {
+    // The blocks of each cluster add their values as ClusterReduce2 (csrc/cuda/reduce.cuh) does, round after round:
+    // thread 0 of every block stores the block's value by st.async into slot `rank` of every block's current half of
+    // the slots, completing on that block's mbarrier of the half; every thread waits on its own, then adds the slots
+    // in rank order. The variants break it: "exchange_early_read" reads before its wait, "exchange_unsynced_init"
+    // stores into peers with no cluster barrier after their mbarrier_init, "exchange_one_slot" reuses one half every
+    // round (a fast block's next store may land before a slow thread's read), "exchange_short" expects a byte that
+    // never comes (its wait would hang).
+    constexpr unsigned kCluster = 4, kRounds = 5;
+    struct Exchange {
+      uint64_t arrived[2];
+      long values[2][kCluster];
+    };
+    const bool early = std::strcmp(check, "exchange_early_read") == 0;
+    const bool unsynced = std::strcmp(check, "exchange_unsynced_init") == 0;
+    const bool one_slot = std::strcmp(check, "exchange_one_slot") == 0;
+    const unsigned extra_byte = std::strcmp(check, "exchange_short") == 0 ? 1 : 0;
+    long total = 0;
+    const auto body = [&] {
+      auto* exchange = reinterpret_cast<Exchange*>(dynamic_shared_memory());
+      const ThreadContext& t = this_thread();
+      const Site site{__FILE__, __LINE__};
+      if (t.linear_tid == 0) {
+        for (uint64_t& arrived : exchange->arrived) mbarrier_init(&arrived, 1, site);
+      }
+      if (!unsynced) cluster_sync();
+      for (unsigned round = 0; round < kRounds; ++round) {
+        const unsigned half = one_slot ? 0 : round & 1;
+        const unsigned parity = (one_slot ? round : round / 2) & 1;
+        uint64_t* arrived = &exchange->arrived[half];
+        if (t.linear_tid == 0) {
+          mbarrier_arrive_expect_tx(arrived, kCluster * sizeof(long) + extra_byte, site);
+          const long value = 1000 * round + 10 * t.block_idx.x + t.cluster_rank;
+          for (unsigned rank = 0; rank < kCluster; ++rank) {
+            store_async(&exchange->values[half][t.cluster_rank], &value, sizeof(value), rank, arrived, site);
+          }
+        }
+        if (!early) mbarrier_wait(arrived, parity, site);
+        long sum = 0;
+        for (const long& value : exchange->values[half]) {
+          record_access(Space::Shared, &value, sizeof(value), false, site);
+          sum += value;
+        }
+        if (early) mbarrier_wait(arrived, parity, site);
+        if (t.linear_tid == 33) total += sum;
+        sync_threads();  // as the in-block reduction before each exchange does
+      }
+    };
+    try {
+      launch({8}, {64}, sizeof(Exchange), nullptr, body, kCluster);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+    std::printf("total %ld\n", total);
     return 0;
   }
   long sum = 0;

@@ -496,9 +496,10 @@ def test_backward_reread_with_weight_on_chip(kind, cols):
 
 # Where each backward path begins and ends. Registers: 16 float32 or bfloat16 values a thread x 512 threads (8192),
 # 8 on the scalar path (4096). On a GPU without clusters (sm_80: 163 KB a block), float32 LayerNorm with weight and
-# bias: x, dy, the weight and two gradient sums (20 bytes an element) plus 144 bytes of sums and scratch hold
-# (166912 - 144) // 20 = 8338 -> 8336 elements (whole vectors); without the weight (16 bytes) 10420; the row read
-# twice with the weight (12 bytes) 13896, without (8 bytes) 20844; then the multi-pass kernel.
+# bias: x, dy, the weight and two gradient sums (20 bytes an element) plus the row sums' 128 bytes of scratch (a block
+# alone has no cluster exchange) hold (166912 - 128) // 20 = 8339 -> 8336 elements (whole vectors); without the
+# weight (16 bytes) 10424; the row read twice with the weight (12 bytes) 13896, without (8 bytes) 20848; then the
+# multi-pass kernel.
 # (dtype, D, device, kernel, (cluster, weight on chip, row on chip) of the plan)
 BACKWARD_BOUNDARIES = [
     (torch.float32, 8192, {}, "norm_backward_kernel", None),  # the last D of the register path
@@ -509,12 +510,12 @@ BACKWARD_BOUNDARIES = [
     (torch.float32, 4099, {}, "shared", None),  # ... and shared memory beyond (4099: the scalar path, prime)
     (torch.float32, 8336, SM80, "shared", (1, True, True)),
     (torch.float32, 8340, SM80, "shared", (1, False, True)),
-    (torch.float32, 10420, SM80, "shared", (1, False, True)),
-    (torch.float32, 10424, SM80, "shared", (1, True, False)),
+    (torch.float32, 10424, SM80, "shared", (1, False, True)),
+    (torch.float32, 10428, SM80, "shared", (1, True, False)),
     (torch.float32, 13896, SM80, "shared", (1, True, False)),
     (torch.float32, 13900, SM80, "shared", (1, False, False)),
-    (torch.float32, 20844, SM80, "shared", (1, False, False)),
-    (torch.float32, 20848, SM80, "multipass", None),
+    (torch.float32, 20848, SM80, "shared", (1, False, False)),
+    (torch.float32, 20852, SM80, "multipass", None),
 ]
 
 
@@ -667,8 +668,8 @@ def test_forward_cluster_without_room_for_parameters(kind):
 
 # Where each path begins and ends. Registers: 32 float32 or bfloat16 values a thread x 512 threads (16384), 8 on the
 # scalar path (4096). One block's shared memory on a GPU without clusters (sm_80: 163 KB): the row rounded up to
-# 16 bytes plus 144 bytes of sums, so float32 rows up to (166912 - 144) // 16 * 16 // 4 = 41692 elements (exactly
-# the limit).
+# 16 bytes plus the row sums' 128 bytes of scratch (a block alone has no cluster exchange), so float32 rows up to
+# (166912 - 128) // 4 = 41696 elements (exactly the limit).
 BOUNDARIES = [
     (torch.float32, 16384, {}, "norm_forward_kernel"),  # the last D of the register path
     (torch.float32, 16388, {}, "shared"),  # the first D of the shared-memory path
@@ -676,8 +677,8 @@ BOUNDARIES = [
     (torch.bfloat16, 16392, {}, "shared"),
     (torch.float32, 4095, {}, "norm_forward_kernel"),  # odd D: the scalar path, registers up to 4096
     (torch.float32, 4099, {}, "shared"),  # ... and shared memory beyond (4099: the scalar path, prime)
-    (torch.float32, 41692, SM80, "shared"),  # the longest float32 row in one block without clusters
-    (torch.float32, 41696, SM80, "multipass"),  # ... one vector more: the multi-pass path
+    (torch.float32, 41696, SM80, "shared"),  # the longest float32 row in one block without clusters
+    (torch.float32, 41700, SM80, "multipass"),  # ... one vector more: the multi-pass path
 ]
 
 

@@ -1,7 +1,8 @@
 """The SIMT emulator's own checks (csrc/emulated/simt_emulator.cpp): barriers and shuffles give the right values,
 a kernel that would hang a GPU (a barrier some threads never reach) or diverge at barriers fails at once with a
 message instead of hanging, a dependent launch that would read its predecessor's output too early fails, and the
-race check (TORCH_LN_RACECHECK=1) reports shared memory that two threads access with no barrier between."""
+race check (TORCH_LN_RACECHECK=1) reports shared memory that two threads access with no barrier between; mbarriers
+and st.async (the cluster reductions) exchange values, and their misuse fails or is reported as a race."""
 
 from __future__ import annotations
 
@@ -74,3 +75,46 @@ def test_race_check_quiet(checks, check, env):
     result = _run(checks, check, **env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["no", "race"]
+
+
+# Two clusters of 4 blocks, 5 rounds; each block's thread 33 adds its cluster's sum of 1000 * round + 10 * block + rank
+# every round: per block 4000 * (0 + 1 + ... + 4) + 5 * (10 * (sum of its cluster's block indices) + 0 + 1 + 2 + 3).
+EXCHANGE_TOTAL = 4 * (40000 + 5 * (10 * (0 + 1 + 2 + 3) + 6)) + 4 * (40000 + 5 * (10 * (4 + 5 + 6 + 7) + 6))
+
+
+@pytest.mark.parametrize("racecheck", ["0", "1"])
+def test_mbarrier_exchange(checks, racecheck):
+    # st.async stores into every peer completing on its mbarrier, waits by phase parity, two halves alternating: the
+    # values arrive, and the race check finds the orderings through the mbarrier phases (no cluster barrier per round).
+    result = _run(checks, "exchange", TORCH_LN_RACECHECK=racecheck)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["total", str(EXCHANGE_TOTAL)]
+
+
+@pytest.mark.parametrize(
+    "check,message",
+    [
+        # st.async's bytes count as unwritten until the reader has waited for the phase they complete.
+        ("exchange_early_read", "read after write"),
+        # One half reused every round: a peer's next store may land before this block's slow threads read the last.
+        ("exchange_one_slot", "write after read"),
+    ],
+)
+def test_mbarrier_race_check(checks, check, message):
+    result = _run(checks, check, TORCH_LN_RACECHECK="1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "shared-memory race" in result.stderr and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "check,message",
+    [
+        # Stores into a peer's mbarrier before the cluster barrier that follows its init.
+        ("exchange_unsynced_init", "an mbarrier used before mbarrier_init"),
+        # A phase expecting a byte that never lands: on a GPU the wait would hang.
+        ("exchange_short", "deadlock"),
+    ],
+)
+def test_mbarrier_misuse_fails_with_a_message(checks, check, message):
+    result = _run(checks, check)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
