@@ -337,15 +337,33 @@ REREAD_VECTOR_BYTES = 16  # backward_reread_unroll: BACKWARD_SHARED_UNROLL where
 PREFETCH_BYTES = 64  # kPrefetchBytes: the forward register kernels that hold the next row's loads (prefetches_next_row)
 
 
-def prefetched_share(mode: str, plan: dict, elem: int, bursts: int) -> float:
+BULK_STAGES = 4  # kBulkStages: the chunks of the shared-memory forward's bulk loads (SliceRing)
+
+
+def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
+    """Whether the shared-memory forward loads its slices by bulk copies (bulk_stages: an sm_90 such as the H200, a
+    row normalized as loaded, 16-byte vectors; bulk_loads_for: slices of more than one register round)."""
+    return (
+        mode == "fwd"
+        and plan["path"] == "shared"
+        and not fused
+        and plan["vec"] * elem == 16
+        and plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
+    )
+
+
+def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool) -> float:
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
     forward register kernels whose next row, as stored, is at most PREFETCH_BYTES a thread (prefetches_next_row);
-    the first of the forward shared-memory kernel's rounds (load_slice_round); none elsewhere."""
+    with bulk loads, every chunk but the last (each refilled once the normalize pass has read it, the last at the
+    row's end); the first of the other forward shared-memory kernels' rounds (load_slice_round); none elsewhere."""
     if mode != "fwd" or not bursts:
         return 0.0
     if plan["path"] == "registers":
         return 1.0 if plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES else 0.0
+    if bulk_loads(mode, plan, elem, fused):
+        return (BULK_STAGES - 1) / BULK_STAGES
     return 1.0 / bursts if plan["path"] == "shared" else 0.0
 
 
@@ -421,8 +439,12 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             params = parameter_count(op) if plan["slice_params"] else 0
             vector = slots * (3 * _pieces(vec, elem) + params * _pieces(vec, elem))
             vector_bytes = count * vec * elem * (3 + params)
-            out["bursts"] = -(-per_thread // FORWARD_SHARED_UNROLL)
+            # Bulk loads: the copy engine's chunks of the slice in flight together (one round), and a block barrier
+            # after each chunk of the normalize pass.
+            bulk = bulk_loads(mode, plan, elem, fused)
+            out["bursts"] = 1 if bulk else -(-per_thread // FORWARD_SHARED_UNROLL)
             out["burst_streams"] = 1
+            out["barriers"] = c * BULK_STAGES if bulk else 0.0
             out["lone_dram"] = per_thread if fused else 0  # the residual, added vector by vector after the burst
             out["lone_l2"] = 0 if plan["slice_params"] else per_thread  # the weight and bias from global memory
         else:
@@ -450,7 +472,7 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
                 0 if plan["slice_params"] else 2 * per_thread
             )
             out["lone_dram"] = per_thread if fused and on_chip else 0
-        out["barriers"] = c * calls * 2.0
+        out["barriers"] += c * calls * 2.0
         out["cluster_exchanges"] = calls if c > 1 else 0.0  # per block: each waits for every reduction's exchange
         out["shared_requests"] = c * (vector + per_block_scalar)
         out["shared_bytes"] = c * vector_bytes
@@ -680,7 +702,9 @@ def features(facts: dict) -> dict:
         barriers_step = s["barriers"] / max(1, plan["cluster"])
         unroll = FORWARD_SHARED_UNROLL if mode == "fwd" else BACKWARD_SHARED_UNROLL
         round_vectors = min(plan["slice_vectors"], SHARED_ROW_THREADS * unroll)  # a block's vectors in one burst
-        burst_round_sm = round_vectors * 16 * s["burst_streams"]
+        # (bulk loads land in shared memory, not in registers through L1: no stretch)
+        bulk = bulk_loads(mode, plan, elem, facts["fused"])
+        burst_round_sm = 0.0 if bulk else round_vectors * 16 * s["burst_streams"]
     else:
         unit_rows = 1.0
         barriers_step = s["barriers"]
@@ -698,7 +722,7 @@ def features(facts: dict) -> dict:
         "dsmem_ranks": s["dsmem_ranks"],
         "cluster_exchanges": s["cluster_exchanges"],
         "shared_kib": shared_sm / 1024,
-        "prefetch": prefetched_share(mode, plan, elem, s["bursts"]),
+        "prefetch": prefetched_share(mode, plan, elem, s["bursts"], facts["fused"]),
     }
     rows_per_step = u["units"] * u["rows_per_unit"]
     steps = math.ceil(M / rows_per_step)

@@ -205,6 +205,22 @@ TLN_DEVICE void store_async_pair(V* p, V a, V b, unsigned rank, uint64_t* bar) {
 #endif
 }
 
+// cp.async.bulk (sm_90's copy engine): `bytes` (a multiple of 16, both addresses 16-byte aligned) of global memory at
+// `src` copied into this block's shared memory at `dst`, completing those bytes on its mbarrier `bar`. The proxy fence
+// first orders the block's earlier reads of `dst` (through a barrier the issuer passed) before the copy's writes.
+template <typename T>
+TLN_DEVICE void bulk_load_shared(void* dst, const T* src, unsigned bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(dst)),
+               "l"(src), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
 // Programmatic dependent launch (sm_90): a kernel launched by launch_dependent may start while the kernel ahead of
 // it on the stream is still running; it waits here (for that kernel's end and its memory) before touching its output.
 TLN_DEVICE void wait_for_prior_grid() {
@@ -422,6 +438,11 @@ template <typename V>
 void store_async_pair(V* p, V a, V b, unsigned rank, uint64_t* bar, Site site = TLN_SITE) {
   const V pair[2] = {a, b};
   emu::store_async(p, pair, sizeof(pair), rank, bar, {site.file_name(), site.line()});
+}
+
+template <typename T>
+void bulk_load_shared(void* dst, const T* src, unsigned bytes, uint64_t* bar, Site site = TLN_SITE) {
+  emu::bulk_load_shared(dst, src, bytes, bar, {site.file_name(), site.line()});
 }
 
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }

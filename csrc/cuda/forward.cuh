@@ -40,6 +40,7 @@ struct ForwardParams {
   int quant_group_lanes = 0;
   // A gated RMSNorm (the kernels' GATED instances): the gate, and a grouped norm's groups as rows of their own.
   DeviceGate<T> gate = {};
+  int bulk_stages = 0;  // the shared-memory kernel: its slice loaded by bulk copies in this many chunks (SliceRing)
 };
 
 // With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
@@ -512,21 +513,71 @@ TLN_DEVICE void load_slice_round(const ForwardParams<T, W, acc_t, R>& p, int64_t
   }
 }
 
+// The shared-memory kernel's bulk loads (p.bulk_stages > 0: sm_90, a row normalized as loaded, 16-byte vectors,
+// whose layout in shared memory (SharedVectors) is then the row's own): thread 0 has the copy engine load the block's
+// slice of a row in p.bulk_stages chunks, each completing on an mbarrier of its own, so that the first pass waits for
+// one chunk at a time, and refills a chunk with the next row's as soon as this row's last pass has read it: the next
+// row's loads are in flight during this one's stores, with no registers held for them.
+template <typename T, int VEC>
+struct SliceRing {
+  uint64_t* full;  // a chunk's mbarrier: one arrival (thread 0's, expecting its bytes), one phase per row
+  unsigned char* slice;
+  int64_t first, count;  // the block's slice of the row, in vectors
+  int64_t chunk;         // vectors per chunk: whole rounds of the block's threads (0: no bulk loads)
+  int stages;
+
+  TLN_DEVICE SliceRing(unsigned char* shared, size_t barriers, RowSlice mine, int stages, int threads)
+      : full(reinterpret_cast<uint64_t*>(shared + barriers)),
+        slice(shared),
+        first(mine.first),
+        count(mine.count),
+        chunk(stages > 0 ? ((mine.count + stages - 1) / stages + threads - 1) / threads * threads : 0),
+        stages(stages) {}
+
+  // Vectors [begin(k), end(k)) of the slice are chunk k's (none for the last chunks of a short slice).
+  TLN_DEVICE int64_t begin(int k) const { return k * chunk < count ? k * chunk : count; }
+  TLN_DEVICE int64_t end(int k) const { return (k + 1) * chunk < count ? (k + 1) * chunk : count; }
+
+  // Thread 0, once: the mbarriers (a block barrier must follow before the other threads wait on them).
+  TLN_DEVICE void init() const {
+    for (int k = 0; k < stages; ++k) dev::mbarrier_init(&full[k], 1);
+  }
+  // Thread 0: the copy of chunk k of `row` (none past the rows), after the block's reads of the chunk's last row.
+  template <typename W, typename acc_t, typename R>
+  TLN_DEVICE void load(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int k) const {
+    if (row >= p.rows || begin(k) == end(k)) return;
+    const auto bytes = static_cast<unsigned>((end(k) - begin(k)) * kVectorBytes);
+    dev::mbarrier_arrive_expect_tx(&full[k], bytes);
+    dev::bulk_load_shared(slice + begin(k) * kVectorBytes, p.x + p.x_rows.offset(row) + (first + begin(k)) * VEC, bytes,
+                          &full[k]);
+  }
+  // Thread 0: every chunk of `row`, where no read of the slice is pending.
+  template <typename W, typename acc_t, typename R>
+  TLN_DEVICE void load_row(const ForwardParams<T, W, acc_t, R>& p, int64_t row) const {
+    for (int k = 0; k < stages; ++k) load(p, row, k);
+  }
+  // Every thread, before reading chunk k of the row of this `parity` (rows alternate).
+  TLN_DEVICE void wait(int k, unsigned parity) const {
+    if (begin(k) < end(k)) dev::mbarrier_wait(&full[k], parity);
+  }
+};
+
 // Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
 // row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
 // p.staged_params, its slice of the weight and bias, copied once. x is read once, kSharedRowUnroll vectors a thread
 // at a time, all in flight before the first is used; the statistics come from shared memory (corrected two-pass); y is
-// written once. A thread reads back only the vectors it staged, so the staging needs no barrier. The grid is the
-// clusters the device holds at once, each walking rows.
+// written once. A thread reads back only the vectors it staged, so the staging needs no barrier (bulk loads: each
+// chunk's mbarrier, and a block barrier before a chunk is refilled). The grid is the clusters the device holds at
+// once, each walking rows.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(ForwardParams<T, W, acc_t, R> p) {
   using RowPieces = typename SharedVectors<R, VEC>::Piece;
   using ParamPieces = typename SharedVectors<W, VEC>::Piece;
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const int param_rows = p.staged_params ? int{p.weight != nullptr} + int{p.bias != nullptr} : 0;
-  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, sizeof(R), param_rows, sizeof(W),
-                               sizeof(acc_t));
+  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, sizeof(R), param_rows, sizeof(W), sizeof(acc_t),
+                               0, 0, p.bulk_stages);
   const SharedVectors<R, VEC> slice{reinterpret_cast<RowPieces*>(shared), p.slice_vectors};
   acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
   const int cluster = p.cluster_blocks;
@@ -538,21 +589,38 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       {reinterpret_cast<ParamPieces*>(shared + (p.weight != nullptr ? layout.bias : layout.weight)), p.slice_vectors},
       first};
   if (p.staged_params) params.fill(p, count);
+  // Bulk loads where the slice's layout is the row's as stored (a row as loaded, 16-byte vectors).
+  constexpr bool kBulkable = std::is_same_v<R, T> && VEC * sizeof(T) == kVectorBytes;
+  const bool bulk = kBulkable && p.bulk_stages > 0;
+  const SliceRing<T, VEC> ring(shared, layout.stages, mine, p.bulk_stages, threads);
+  const bool producer = dev::thread_x() == 0;
+  if (bulk && producer) ring.init();
   ClusterReduce2<acc_t> cluster_reduce2(shared + layout.exchange, cluster);
+  if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
   const int64_t row_step = dev::grid_dim_x() / cluster;
   // The slice's first round of loads (kSharedRowUnroll vectors a thread) of the row the block walks next is issued
-  // as soon as this row's are staged: it is in flight during this row's reductions and its normalize pass.
+  // as soon as this row's are staged: it is in flight during this row's reductions and its normalize pass. With bulk
+  // loads, every chunk of the block's first row instead.
   Vec<T, VEC> raw[kSharedRowUnroll];
-  load_slice_round(p, dev::block_x() / cluster, first, count, dev::thread_x(), raw);
-  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += row_step) {
+  if (!bulk) load_slice_round(p, dev::block_x() / cluster, first, count, dev::thread_x(), raw);
+  if (bulk && producer) ring.load_row(p, dev::block_x() / cluster);
+  unsigned parity = 0;  // of the ring's phases for this row
+  for (int64_t row = dev::block_x() / cluster; row < p.rows; row += row_step, parity ^= 1) {
     acc_t sum = acc_t(0);
-    for (int64_t base = dev::thread_x(); base < count; base += int64_t{kSharedRowUnroll} * threads) {
+    acc_t v[VEC];
+    for (int k = 0; bulk && k < p.bulk_stages; ++k) {
+      ring.wait(k, parity);
+      for (int64_t c = ring.begin(k) + dev::thread_x(); c < ring.end(k); c += threads) {
+        slice.load(c, v);
+        sum += vector_sum(v);
+      }
+    }
+    for (int64_t base = dev::thread_x(); !bulk && base < count; base += int64_t{kSharedRowUnroll} * threads) {
       if (base != dev::thread_x()) load_slice_round(p, row, first, count, base, raw);  // rounds after the first
 #pragma unroll
       for (int k = 0; k < kSharedRowUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
         if (c >= count) break;
-        acc_t v[VEC];
         to_acc(raw[k], v);
         add_residual(p, row, (first + c) * VEC, v);
         keep_input(p, row, (first + c) * VEC, v);
@@ -563,7 +631,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         sum += vector_sum(v);
       }
     }
-    load_slice_round(p, row + row_step, first, count, dev::thread_x(), raw);
+    if (!bulk) load_slice_round(p, row + row_step, first, count, dev::thread_x(), raw);
     acc_t mean = acc_t(0), unused = acc_t(0);
     if (KIND == NormKind::LayerNorm) {
       cluster_reduce2(sum, unused, threads, scratch);
@@ -573,7 +641,6 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
     // count times that mean's rounding error; added back, the mean is exact to rounding even for a large mean and a
     // small spread (rows of 16K+ values), and the squares lose only that error's square (never E[x^2] - E[x]^2).
     acc_t deviations = acc_t(0), squares = acc_t(0);
-    acc_t v[VEC];
     for (int64_t c = dev::thread_x(); c < count; c += threads) {
       slice.load(c, v);
 #pragma unroll
@@ -606,19 +673,29 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         store_quantized_strided<VEC>(p, row, first, count, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias}, load,
                                      writes, reduce);
       }
+      if (bulk) dev::sync_threads();  // the slice read: the next row's chunks may land
+      if (bulk && producer) ring.load_row(p, row + row_step);
       continue;
     }
-    for (int64_t c = dev::thread_x(); c < count; c += threads) {
-      slice.load(c, v);
-      if (p.staged_params) {
-        normalize_and_store(p, row, first + c, v, mean, rstd, params);
-      } else {
-        normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+    // By chunks of the ring (the whole slice as one without bulk loads): a chunk read by the block is refilled with
+    // the next row's at once.
+    const int chunks = bulk ? p.bulk_stages : 1;
+    for (int k = 0; k < chunks; ++k) {
+      for (int64_t c = (bulk ? ring.begin(k) : 0) + dev::thread_x(); c < (bulk ? ring.end(k) : count); c += threads) {
+        slice.load(c, v);
+        if (p.staged_params) {
+          normalize_and_store(p, row, first + c, v, mean, rstd, params);
+        } else {
+          normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+        }
       }
+      if (!bulk) continue;
+      dev::sync_threads();  // chunk k read by every thread
+      if (producer) ring.load(p, row + row_step, k);
     }
   }
-  // No barrier before exiting: no block reads another's shared memory, and every store into a block completes a
-  // phase the block waits for.
+  // No barrier before exiting: no block reads another's shared memory, every store into a block completes a phase
+  // the block waits for, and no bulk load is issued past the block's last row.
 }
 
 // The forward's kernels by register tier, for launch_rows; QUANTIZED: their *_quant instances; GATED: the gated

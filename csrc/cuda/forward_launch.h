@@ -7,11 +7,16 @@
 namespace torch_ln {
 
 // Where the forward may stage rows too long for registers: rows of R (what is normalized) and the parameter rows
-// given in the device's shared memory per block, over clusters where it has them.
+// given in the device's shared memory per block, over clusters where it has them; and the bulk loads' `stages`.
 template <typename acc_t, typename R, typename W>
-SharedRowSpace forward_shared_row_space(bool weight, bool bias, const DeviceLimits& limits) {
-  return {sizeof(R),     int{weight} + int{bias},     sizeof(W),
-          sizeof(acc_t), limits.max_shared_per_block, limits.max_cluster_blocks};
+SharedRowSpace forward_shared_row_space(bool weight, bool bias, int stages, const DeviceLimits& limits) {
+  return {.row_elem_bytes = sizeof(R),
+          .param_rows = int{weight} + int{bias},
+          .param_elem_bytes = sizeof(W),
+          .acc_bytes = sizeof(acc_t),
+          .smem_per_block = limits.max_shared_per_block,
+          .max_cluster_blocks = limits.max_cluster_blocks,
+          .stage_barriers = stages};
 }
 
 // ForwardParams::quant_group_lanes for the kernel `plan` runs: 0 without per-group scales; a group's vectors where
@@ -67,11 +72,17 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
                       vectorizable<T, R>(k.cols, {}, {p.residual, p.residual_out}) &&
                       k.x_rows.multiple_of(kVectorBytes / static_cast<int64_t>(sizeof(T)));
   // A gated norm's rows too long for registers take the multi-pass kernel (no shared-memory path).
-  RowPlan plan = plan_rows(
-      k.rows, k.cols, sizeof(T), vec_ok,
-      gated ? ForwardKernels<T, W, acc_t, R, false, true>::budget : ForwardKernels<T, W, acc_t, R>::budget,
-      gated ? SharedRowSpace{} : forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits));
+  const SharedRowSpace shared_space =
+      gated ? SharedRowSpace{}
+            : forward_shared_row_space<acc_t, R, W>(
+                  p.weight != nullptr, p.bias != nullptr,
+                  bulk_stages(limits.max_cluster_blocks, p.residual != nullptr, vec_ok), limits);
+  RowPlan plan =
+      plan_rows(k.rows, k.cols, sizeof(T), vec_ok,
+                gated ? ForwardKernels<T, W, acc_t, R, false, true>::budget : ForwardKernels<T, W, acc_t, R>::budget,
+                shared_space);
   p.threads_per_row = plan.threads_per_row;
+  p.bulk_stages = plan.shared_row() && bulk_loads_for(plan.slice_vectors) ? shared_space.stage_barriers : 0;
   p.cluster_blocks = plan.cluster_blocks;
   p.slice_vectors = plan.slice_vectors;
   p.staged_params = plan.slice_params;
@@ -93,9 +104,8 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       plan.multipass() ? 0 : staged_params_bytes(k.cols, p.weight != nullptr, p.bias != nullptr, sizeof(W));
   const auto launch = [&](auto kernel) {
     if (plan.shared_row()) {  // a cluster of blocks per row, as many clusters as the device holds at once
-      const size_t smem = forward_shared_row_space<acc_t, R, W>(p.weight != nullptr, p.bias != nullptr, limits)
-                              .layout(plan.slice_vectors, plan.cluster_blocks, plan.vec, plan.slice_params)
-                              .total;
+      const size_t smem =
+          shared_space.layout(plan.slice_vectors, plan.cluster_blocks, plan.vec, plan.slice_params).total;
       size_cluster_grid(kernel, plan, a.rows, smem, limits, plan.cluster_blocks);
       launch_in_clusters(kernel, plan.cluster_blocks, plan, smem, stream, p);
       return;

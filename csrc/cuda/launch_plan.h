@@ -127,24 +127,41 @@ constexpr size_t cluster_exchange_bytes(size_t acc_bytes, int blocks) {
   return blocks > 1 ? 2 * sizeof(uint64_t) + 2 * static_cast<size_t>(blocks) * 2 * acc_bytes : 0;
 }
 
+// The shared-memory forward may stream its slice of each row into shared memory by bulk copies (sm_90's copy engine,
+// on devices with clusters) in this many chunks, each completing on an mbarrier of its own, where the row is
+// normalized as loaded (no residual add) and read in 16-byte vectors (SliceRing, forward.cuh): their room is kept
+// in its layout there.
+constexpr int kBulkStages = 4;
+constexpr int bulk_stages(int max_cluster_blocks, bool residual, bool vectorizable) {
+  return max_cluster_blocks > 1 && !residual && vectorizable ? kBulkStages : 0;
+}
+// It takes them for slices the staging through registers loads in several rounds (more than kSharedRowUnroll
+// vectors a thread), of which it prefetches only the first. A slice of one round it prefetches whole, during the row
+// before, which the chunks (each refilled only once read, after a block barrier) do not beat (kernel model).
+constexpr bool bulk_loads_for(int64_t slice_vectors) {
+  return slice_vectors > int64_t{kSharedRowUnroll} * kSharedRowThreads;
+}
+
 // Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
 // (`slice_elems` of `row_elem_bytes`; the backward's x, then its dy, of `dy_elem_bytes`), of the weight and of the
 // bias (`param_rows` of them, each of `param_elem_bytes`, where the block keeps them), the backward's weight/bias
 // gradient sums (`grad_rows` of `acc_bytes`), the cluster reductions' exchange (rows over `cluster_blocks` blocks),
-// the row-sum scratch.
+// the row-sum scratch, the forward's bulk loads' mbarriers (`stages` of them).
 struct SharedRowLayout {
-  size_t dy, weight, bias, grads, exchange, scratch, total;
+  size_t dy, weight, bias, grads, exchange, scratch, stages, total;
 
   static constexpr size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
   constexpr SharedRowLayout(int64_t slice_elems, int cluster_blocks, size_t row_elem_bytes, int param_rows,
-                            size_t param_elem_bytes, size_t acc_bytes, size_t dy_elem_bytes = 0, int grad_rows = 0)
+                            size_t param_elem_bytes, size_t acc_bytes, size_t dy_elem_bytes = 0, int grad_rows = 0,
+                            int stage_barriers = 0)
       : dy(round16(slice_elems * row_elem_bytes)),
         weight(dy + round16(slice_elems * dy_elem_bytes)),
         bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
         grads(bias + (param_rows > 1 ? round16(slice_elems * param_elem_bytes) : 0)),
         exchange(grads + grad_rows * round16(slice_elems * acc_bytes)),
         scratch(exchange + cluster_exchange_bytes(acc_bytes, cluster_blocks)),
-        total(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)) {}
+        stages(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)),
+        total(stages + stage_barriers * sizeof(uint64_t)) {}
 };
 
 // Room for the shared-memory path: what a row element takes there (the forward: the type of the normalized row;
@@ -158,12 +175,14 @@ struct SharedRowSpace {
   int max_cluster_blocks = 1;
   size_t dy_elem_bytes = 0;
   int grad_rows = 0;
+  int stage_barriers = 0;  // the forward's bulk loads (bulk_stages)
 
   // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
   SharedRowLayout layout(int64_t slice_vectors, int cluster_blocks, int vec, bool with_params,
                          bool with_row = true) const {
-    return {slice_vectors * vec, cluster_blocks, with_row ? row_elem_bytes : 0, with_params ? param_rows : 0,
-            param_elem_bytes,    acc_bytes,      with_row ? dy_elem_bytes : 0,  grad_rows};
+    return {slice_vectors * vec,          cluster_blocks,   with_row ? row_elem_bytes : 0,
+            with_params ? param_rows : 0, param_elem_bytes, acc_bytes,
+            with_row ? dy_elem_bytes : 0, grad_rows,        stage_barriers};
   }
 };
 

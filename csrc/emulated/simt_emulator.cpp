@@ -33,6 +33,8 @@ thread_local ThreadContext* current_thread = nullptr;
   std::abort();
 }
 
+std::vector<std::string> races;  // the current launch's shared-memory races (TORCH_LN_RACECHECK), the first few
+
 // Emulated threads are fibers that the launching OS thread runs one at a time, round-robin: each runs until it
 // waits at a barrier, then the next one runs. A switch is a user-space context swap (where OS threads cost a futex
 // wake and a kernel context switch per thread and barrier), and a launch runs the same way every time.
@@ -80,7 +82,9 @@ class Fibers {
         live -= f.finished;
       }
       if (live > 0 && progress == before) {
-        fail("deadlock: threads wait at a barrier that not every thread of the block reaches");
+        std::string message = "deadlock: threads wait at a barrier that not every thread of the block reaches";
+        for (const std::string& race : races) message += "\n  after a shared-memory race: " + race;
+        fail(message);
       }
     }
     running = nullptr;
@@ -448,7 +452,6 @@ const bool racecheck = [] {
   const char* on = std::getenv("TORCH_LN_RACECHECK");
   return on != nullptr && std::string(on) != "0";
 }();
-std::vector<std::string> races;                           // the current launch's, the first few
 std::unordered_map<uintptr_t, ByteShadow> static_shadow;  // static shared arrays (TLN_STATIC_SHARED), per launch
 
 class BlockState {
@@ -530,12 +533,17 @@ BlockState* owner_of(const ThreadContext& t, uintptr_t address, size_t bytes) {
 
 ThreadOrder& order_of(const ThreadContext& t) { return t.block->orders[t.linear_tid]; }
 
-// The phases of `mbarrier` completed when the calling thread last waited on it.
-uint64_t waited_phases(const ThreadContext& t, const void* mbarrier) {
-  for (const auto& [bar, phases] : order_of(t).waited) {
-    if (bar == mbarrier) return phases;
+// The calling thread's record of the phases of `mbarrier` completed when it last waited on it, or null.
+uint64_t* find_waited(const ThreadContext& t, const void* mbarrier) {
+  for (auto& [bar, phases] : order_of(t).waited) {
+    if (bar == mbarrier) return &phases;
   }
-  return 0;
+  return nullptr;
+}
+
+uint64_t waited_phases(const ThreadContext& t, const void* mbarrier) {
+  const uint64_t* phases = find_waited(t, mbarrier);
+  return phases != nullptr ? *phases : 0;
 }
 
 // Whether `a` is absent, the calling thread's own, or ordered before the calling thread's access (a `store` or not).
@@ -549,16 +557,27 @@ bool before_barrier(const SharedAccess& a, const ThreadContext& t, bool store = 
   return a.rank < known.size() && known[a.rank] > a.block_generation;
 }
 
+// "file:line, thread T of block rank R": the calling thread's access at `site`.
+std::string where(const ThreadContext& t, Site site) {
+  return std::string(site.file) + ":" + std::to_string(site.line) + ", thread " + std::to_string(t.linear_tid) +
+         " of block rank " + std::to_string(t.cluster_rank);
+}
+
+// Keeps the launch's first few distinct races.
+void report_race(std::string message) {
+  if (races.size() < 4 && std::find(races.begin(), races.end(), message) == races.end()) {
+    races.push_back(std::move(message));
+  }
+}
+
 // `mbarrier`, `phase`: an st.async's store, completing that phase.
 void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site, const void* mbarrier = nullptr,
                 uint64_t phase = 0) {
   const SharedAccess now{t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true,
                          mbarrier,       phase};
   auto race = [&](const char* kind, const SharedAccess& other) {
-    std::string message = std::string(kind) + " at " + site.file + ":" + std::to_string(site.line) + ", thread " +
-                          std::to_string(t.linear_tid) + " of block rank " + std::to_string(t.cluster_rank) +
-                          " after thread " + std::to_string(other.tid) + " of block rank " + std::to_string(other.rank);
-    if (races.size() < 4 && std::find(races.begin(), races.end(), message) == races.end()) races.push_back(message);
+    report_race(std::string(kind) + " at " + where(t, site) + " after thread " + std::to_string(other.tid) +
+                " of block rank " + std::to_string(other.rank));
   };
   if (!before_barrier(byte.write, t, store)) race(store ? "write after write" : "read after write", byte.write);
   if (store) {
@@ -622,10 +641,13 @@ const void* map_shared_rank(const void* p, unsigned rank) {
 namespace {
 
 constexpr size_t kMbarrierBytes = 8;
+constexpr size_t kBulkAlignment = 16;  // cp.async.bulk's addresses and sizes
+constexpr size_t kBulkLineBytes = 128;
 
-Mbarrier& mbarrier_at(const ThreadContext& t, const void* bar) {
+// The mbarrier at `bar` in `owner`'s shared memory (null: whichever block of the calling thread's cluster holds it).
+Mbarrier& mbarrier_at(const ThreadContext& t, const void* bar, BlockState* owner = nullptr) {
   const auto address = reinterpret_cast<uintptr_t>(bar);
-  BlockState* owner = owner_of(t, address, kMbarrierBytes);
+  if (owner == nullptr) owner = owner_of(t, address, kMbarrierBytes);
   if (owner == nullptr) fail("an mbarrier outside the cluster's dynamic shared memory");
   auto it = owner->mbarriers.find(address);
   if (it == owner->mbarriers.end()) fail("an mbarrier used before mbarrier_init");
@@ -702,33 +724,68 @@ void mbarrier_wait(void* bar, unsigned parity, Site site) {
   ThreadContext& t = this_thread();
   Mbarrier& m = mbarrier_at(t, bar);  // stays put: the map's elements never move
   if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
+  // The phase waited for: the first of that parity the thread has not waited for (the kernels' threads wait for every
+  // phase of the mbarriers they use). Where later phases completed before the wait, a parity wait cannot tell them
+  // apart (on a GPU it returns for the wrong phase or hangs): the producer ran two phases ahead of this reader.
+  const uint64_t seen = waited_phases(t, bar);
+  const uint64_t phase = seen + ((seen & 1) != (parity & 1));
   while ((m.completed & 1) == (parity & 1)) Fibers::yield();
+  if (racecheck && m.completed != phase + 1) {
+    report_race("mbarrier phase " + std::to_string(phase) + " overtaken at " + where(t, site) + ": " +
+                std::to_string(m.completed) + " phases had completed when it waited for it");
+  }
   ThreadOrder& order = order_of(t);
-  const std::vector<uint64_t>& passed = m.passed[(m.completed - 1) & 1];
+  const std::vector<uint64_t>& passed = m.passed[phase & 1];
   order.known.resize(std::max(order.known.size(), passed.size()), 0);
   for (size_t r = 0; r < passed.size(); ++r) order.known[r] = std::max(order.known[r], passed[r]);
-  for (auto& [mbarrier, phases] : order.waited) {
-    if (mbarrier == bar) {
-      phases = std::max(phases, m.completed);
-      return;
-    }
+  if (uint64_t* phases = find_waited(t, bar)) {
+    *phases = phase + 1;
+  } else {
+    order.waited.emplace_back(bar, phase + 1);
   }
-  order.waited.emplace_back(bar, m.completed);
 }
+
+namespace {
+
+// An asynchronous copy of `bytes` from `src` into `dst`, in the shared memory of `owner`, completing that many bytes
+// on its mbarrier `bar`: the bytes land at once, unwritten for the race check until a wait for their phase.
+void copy_completing(const ThreadContext& t, BlockState* owner, void* dst, const void* src, size_t bytes, void* bar,
+                     Site site) {
+  Mbarrier& m = mbarrier_at(t, bar, owner);
+  if (racecheck) {
+    check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
+    check_shared_access(t, reinterpret_cast<uintptr_t>(dst), bytes, true, site, bar, m.completed);
+  }
+  std::memcpy(dst, src, bytes);
+  pass_on(t, m);
+  m.bytes_pending -= static_cast<int64_t>(bytes);
+  complete_if_done(m);
+}
+
+}  // namespace
 
 void store_async(void* dst, const void* src, size_t bytes, unsigned rank, void* bar, Site site) {
   ThreadContext& t = this_thread();
   void* remote = const_cast<void*>(map_shared_rank(dst, rank));
   void* remote_bar = const_cast<void*>(map_shared_rank(bar, rank));
-  Mbarrier& m = mbarrier_at(t, remote_bar);
-  if (racecheck) {
-    check_shared_access(t, reinterpret_cast<uintptr_t>(remote_bar), kMbarrierBytes, false, site);
-    check_shared_access(t, reinterpret_cast<uintptr_t>(remote), bytes, true, site, remote_bar, m.completed);
+  copy_completing(t, t.cluster->blocks[rank].get(), remote, src, bytes, remote_bar, site);
+}
+
+void bulk_load_shared(void* dst, const void* src, size_t bytes, void* bar, Site site) {
+  ThreadContext& t = this_thread();
+  const auto to = reinterpret_cast<uintptr_t>(dst), from = reinterpret_cast<uintptr_t>(src);
+  if (to % kBulkAlignment != 0 || from % kBulkAlignment != 0 || bytes == 0 || bytes % kBulkAlignment != 0) {
+    fail("bulk_load_shared: addresses and size must be non-zero multiples of 16 bytes; got dst % 16 = " +
+         std::to_string(to % kBulkAlignment) + ", src % 16 = " + std::to_string(from % kBulkAlignment) + ", " +
+         std::to_string(bytes) + " bytes");
   }
-  std::memcpy(remote, src, bytes);
-  pass_on(t, m);
-  m.bytes_pending -= static_cast<int64_t>(bytes);
-  complete_if_done(m);
+  if (owner_of(t, to, bytes) != t.block) fail("bulk_load_shared: dst is not in the block's dynamic shared memory");
+  // The global reads, a 128-byte line at a time (the copy engine's requests), as the issuing thread's.
+  for (size_t offset = 0; offset < bytes; offset += kBulkLineBytes) {
+    record_access(Space::Global, static_cast<const unsigned char*>(src) + offset,
+                  std::min(kBulkLineBytes, bytes - offset), false, site);
+  }
+  copy_completing(t, t.block, dst, src, bytes, bar, site);
 }
 
 void set_counting(bool on) {

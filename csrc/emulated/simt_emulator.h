@@ -83,6 +83,12 @@ void mbarrier_wait(void* bar, unsigned parity, Site site);
 // memory, a few bytes per cluster reduction, with no bank conflict between them.
 void store_async(void* dst, const void* src, size_t bytes, unsigned rank, void* bar, Site site);
 
+// cp.async.bulk (global -> shared): `bytes` of global memory at `src` copied to `dst` in the calling block's dynamic
+// shared memory, completing that many bytes on the block's mbarrier `bar`; addresses and size multiples of 16 bytes
+// (else it aborts). The bytes land at once; the race check takes them as unwritten, as store_async's. Counted as the
+// issuing thread's global loads, 128 bytes at a time (no shared-memory requests: the copy engine writes them).
+void bulk_load_shared(void* dst, const void* src, size_t bytes, void* bar, Site site);
+
 // Runs `body` as a grid of `grid` blocks of `block` threads, in clusters of
 // `cluster` blocks along x (grid.x a multiple of it). Launches are serialized;
 // the threads of a block must be a multiple of the warp size. `kernel` names

@@ -97,6 +97,60 @@ int main(int argc, char** argv) {
     std::printf("total %ld\n", total);
     return 0;
   }
+  if (std::strncmp(check, "bulk", 4) == 0) {
+    // A ring of two stages streams chunks of global memory through shared memory as the forward's bulk loads do
+    // (csrc/cuda/forward.cuh): thread 0 copies chunk i into stage i % 2 by bulk_load_shared, completing on the stage's
+    // mbarrier; every thread waits for it (parity (i / 2) % 2) and adds it; a block barrier after the reads frees the
+    // stage for chunk i + 2. The variants break it: "bulk_early_read" reads before its wait, "bulk_no_release"
+    // refills a stage with no barrier after the reads of it, "bulk_misaligned" copies from an address off 16 bytes.
+    constexpr unsigned kChunks = 6, kValues = 4;
+    struct Ring {
+      uint64_t full[2];
+      long stage[2][kValues];
+    };
+    alignas(16) static long data[kChunks * kValues + 1];
+    for (unsigned i = 0; i < kChunks * kValues; ++i) data[i] = i + 1;
+    const bool early = std::strcmp(check, "bulk_early_read") == 0;
+    const bool no_release = std::strcmp(check, "bulk_no_release") == 0;
+    const unsigned offset = std::strcmp(check, "bulk_misaligned") == 0 ? 1 : 0;
+    long total = 0;
+    const auto body = [&] {
+      auto* ring = reinterpret_cast<Ring*>(dynamic_shared_memory());
+      const ThreadContext& t = this_thread();
+      const Site site{__FILE__, __LINE__};
+      const auto issue = [&](unsigned i) {
+        uint64_t* full = &ring->full[i % 2];
+        mbarrier_arrive_expect_tx(full, sizeof(ring->stage[0]), site);
+        bulk_load_shared(ring->stage[i % 2], data + i * kValues + offset, sizeof(ring->stage[0]), full, site);
+      };
+      if (t.linear_tid == 0) {
+        for (uint64_t& full : ring->full) mbarrier_init(&full, 1, site);
+        issue(0);
+        issue(1);
+      }
+      sync_threads();
+      for (unsigned i = 0; i < kChunks; ++i) {
+        if (!early) mbarrier_wait(&ring->full[i % 2], (i / 2) % 2, site);
+        long sum = 0;
+        for (const long& value : ring->stage[i % 2]) {
+          record_access(Space::Shared, &value, sizeof(value), false, site);
+          sum += value;
+        }
+        if (early) mbarrier_wait(&ring->full[i % 2], (i / 2) % 2, site);
+        if (t.linear_tid == 33) total += sum;
+        if (!no_release) sync_threads();
+        if (t.linear_tid == 0 && i + 2 < kChunks) issue(i + 2);
+      }
+    };
+    try {
+      launch({3}, {64}, sizeof(Ring), nullptr, body);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+    std::printf("total %ld\n", total);
+    return 0;
+  }
   long sum = 0;
   const auto body = [&] {
     const unsigned tid = this_thread().linear_tid;

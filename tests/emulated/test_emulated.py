@@ -793,6 +793,67 @@ def test_forward_prefetch_walks_rows(kind, dtype, cols, prefetches):
     _check_against_torch(kind, x, weight, bias, dy)
 
 
+# The shared-memory forward's bulk loads (SliceRing, csrc/cuda/forward.cuh; sm_90 only, for slices of more than
+# 8 x 512 vectors: bulk_loads_for): the slice in 4 chunks of whole rounds of the block's 512 threads, each refilled
+# with the block's next row once read. Devices: None, the default sm_90 (227 KB a block).
+BULK_RING_CASES = [
+    (torch.float32, 16392, True, None),  # a block: 4098 vectors, chunks of 1536, the last of the four empty
+    (torch.float64, 8200, True, None),  # 2-element vectors: 4100 a block
+    (torch.bfloat16, 36872, True, None),  # 8-element vectors: 4609 a block, chunks of 1536 (the third short)
+    (torch.float32, 36000, False, 100 * 1024),  # no weight; a cluster of 2 of 100 KB: 4500 vectors a block
+]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,cols,affine,shared,quantized",
+    # float64 has no quantizing kernel instance (its quantized outputs come from the separate quantize kernel).
+    [(*case, q) for case in BULK_RING_CASES for q in (False, True) if not (q and case[0] == torch.float64)],
+)
+def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantized):
+    # Regression guard for the bulk loads: one cluster resident, which walks 11 rows (each chunk refilled with the
+    # next row's after the block's barrier; the quantized epilogue refills the slice whole), comes out bitwise as
+    # each row alone (no refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the
+    # slice staged through registers), which takes 32 bytes less shared memory (the 4 chunks' mbarriers).
+    rows = 11
+    x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
+    params = (2 if kind == "layer" else 1) if affine else 0
+    with _device(shared=shared):
+        vec, *_, cluster = ops.plan("fwd", rows, cols, dtype.itemsize, True, 0, params)[:6]
+    nvec = -(-cols // vec)
+    assert -(-nvec // cluster) > 8 * 512, "a slice of one register round: no bulk loads"
+
+    def forward(inputs):
+        if not quantized:
+            return _forward_kernel(kind, inputs, weight, bias)
+        ops.set_counting(True)
+        try:
+            quant = {"out_dtype": torch.float8_e4m3fn, "return_unquantized": True}
+            if kind == "layer":
+                q, scales, y = ops.layer_norm_quant(inputs, [cols], weight, bias, 1e-5, **quant)
+            else:
+                q, scales, y = ops.rms_norm_quant(inputs, [cols], weight, 1e-5, **quant)
+        finally:
+            ops.set_counting(False)
+        return [y, q.view(torch.uint8), scales], json.loads(ops.take_launch_log())[0]
+
+    with _device(shared=shared):
+        ops.set_device(1, 512 * cluster, shared, 8)  # one cluster resident: its blocks walk every row
+        walked, launch = forward(x)
+        assert "shared" in launch["kernel"] and launch["grid"] == cluster and launch["cluster"] == cluster
+        for r in (0, 5, rows - 1):
+            alone, _ = forward(x[r : r + 1].clone())
+            for w, a in zip(walked, alone):
+                assert torch.equal(w[r], a[0]), f"row {r}"
+    if cluster == 1:
+        with _device(shared=shared, cluster=1):
+            unbulked, plain = forward(x)
+        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 4 * 8
+        for w, u in zip(walked, unbulked):
+            assert torch.equal(w, u)
+    _check_forward(kind, x, weight, bias, walked[0])
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("cols", [7, 64, 2048, 9000])
 def test_batch_invariant(kind, cols):

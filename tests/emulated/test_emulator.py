@@ -2,7 +2,8 @@
 a kernel that would hang a GPU (a barrier some threads never reach) or diverge at barriers fails at once with a
 message instead of hanging, a dependent launch that would read its predecessor's output too early fails, and the
 race check (TORCH_LN_RACECHECK=1) reports shared memory that two threads access with no barrier between; mbarriers
-and st.async (the cluster reductions) exchange values, and their misuse fails or is reported as a race."""
+and st.async (the cluster reductions) exchange values, bulk copies stream through a ring of stages, and their misuse
+fails or is reported as a race."""
 
 from __future__ import annotations
 
@@ -80,15 +81,26 @@ def test_race_check_quiet(checks, check, env):
 # Two clusters of 4 blocks, 5 rounds; each block's thread 33 adds its cluster's sum of 1000 * round + 10 * block + rank
 # every round: per block 4000 * (0 + 1 + ... + 4) + 5 * (10 * (sum of its cluster's block indices) + 0 + 1 + 2 + 3).
 EXCHANGE_TOTAL = 4 * (40000 + 5 * (10 * (0 + 1 + 2 + 3) + 6)) + 4 * (40000 + 5 * (10 * (4 + 5 + 6 + 7) + 6))
+# Three blocks, each adding the chunks 1..24 of the global array once (by its thread 33).
+BULK_TOTAL = 3 * (24 * 25 // 2)
 
 
 @pytest.mark.parametrize("racecheck", ["0", "1"])
-def test_mbarrier_exchange(checks, racecheck):
-    # st.async stores into every peer completing on its mbarrier, waits by phase parity, two halves alternating: the
-    # values arrive, and the race check finds the orderings through the mbarrier phases (no cluster barrier per round).
-    result = _run(checks, "exchange", TORCH_LN_RACECHECK=racecheck)
+@pytest.mark.parametrize(
+    "check,total",
+    [
+        # st.async stores into every peer completing on its mbarrier, waits by phase parity, two halves alternating.
+        ("exchange", EXCHANGE_TOTAL),
+        # Bulk copies into a ring of two stages, each completing on its stage's mbarrier; a block barrier frees a stage.
+        ("bulk", BULK_TOTAL),
+    ],
+)
+def test_mbarrier_protocols(checks, check, total, racecheck):
+    # The values arrive, and the race check finds the orderings through the mbarrier phases (no cluster barrier per
+    # round).
+    result = _run(checks, check, TORCH_LN_RACECHECK=racecheck)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["total", str(EXCHANGE_TOTAL)]
+    assert result.stdout.split() == ["total", str(total)]
 
 
 @pytest.mark.parametrize(
@@ -98,6 +110,8 @@ def test_mbarrier_exchange(checks, racecheck):
         ("exchange_early_read", "read after write"),
         # One half reused every round: a peer's next store may land before this block's slow threads read the last.
         ("exchange_one_slot", "write after read"),
+        # A bulk copy's bytes, the same.
+        ("bulk_early_read", "read after write"),
     ],
 )
 def test_mbarrier_race_check(checks, check, message):
@@ -113,8 +127,12 @@ def test_mbarrier_race_check(checks, check, message):
         ("exchange_unsynced_init", "an mbarrier used before mbarrier_init"),
         # A phase expecting a byte that never lands: on a GPU the wait would hang.
         ("exchange_short", "deadlock"),
+        # Thread 0 refills stages before the others read them: their parity waits see a later phase, and a wait that
+        # would hang a GPU ends the run as a deadlock, naming the race before it.
+        ("bulk_no_release", "mbarrier phase 0 overtaken"),
+        ("bulk_misaligned", "bulk_load_shared: addresses and size must be non-zero multiples of 16 bytes"),
     ],
 )
 def test_mbarrier_misuse_fails_with_a_message(checks, check, message):
-    result = _run(checks, check)
+    result = _run(checks, check, TORCH_LN_RACECHECK="1")
     assert result.returncode != 0 and message in result.stderr, result.stderr
