@@ -727,7 +727,8 @@ void mbarrier_wait(void* bar, unsigned parity, Site site) {
   // The phase waited for: the first of that parity the thread has not waited for (the kernels' threads wait for every
   // phase of the mbarriers they use). Where later phases completed before the wait, a parity wait cannot tell them
   // apart (on a GPU it returns for the wrong phase or hangs): the producer ran two phases ahead of this reader.
-  const uint64_t seen = waited_phases(t, bar);
+  uint64_t* waited = find_waited(t, bar);  // stays put: only this thread adds to its record, below
+  const uint64_t seen = waited != nullptr ? *waited : 0;
   const uint64_t phase = seen + ((seen & 1) != (parity & 1));
   while ((m.completed & 1) == (parity & 1)) Fibers::yield();
   if (racecheck && m.completed != phase + 1) {
@@ -738,8 +739,8 @@ void mbarrier_wait(void* bar, unsigned parity, Site site) {
   const std::vector<uint64_t>& passed = m.passed[phase & 1];
   order.known.resize(std::max(order.known.size(), passed.size()), 0);
   for (size_t r = 0; r < passed.size(); ++r) order.known[r] = std::max(order.known[r], passed[r]);
-  if (uint64_t* phases = find_waited(t, bar)) {
-    *phases = phase + 1;
+  if (waited != nullptr) {
+    *waited = phase + 1;
   } else {
     order.waited.emplace_back(bar, phase + 1);
   }
