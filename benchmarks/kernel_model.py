@@ -337,33 +337,34 @@ REREAD_VECTOR_BYTES = 16  # backward_reread_unroll: BACKWARD_SHARED_UNROLL where
 PREFETCH_BYTES = 64  # kPrefetchBytes: the forward register kernels that hold the next row's loads (prefetches_next_row)
 
 
-BULK_STAGES = 4  # kBulkStages: the chunks of the shared-memory forward's bulk loads (SliceRing)
+BULK_STAGES = 4  # kBulkStages: the chunks of the shared-memory kernels' bulk loads (SliceRing)
 
 
 def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
-    """Whether the shared-memory forward loads its slices by bulk copies (bulk_stages: an sm_90 such as the H200, a
-    row normalized as loaded, 16-byte vectors; bulk_loads_for: slices of more than one register round)."""
-    return (
-        mode == "fwd"
-        and plan["path"] == "shared"
-        and not fused
-        and plan["vec"] * elem == 16
-        and plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
-    )
+    """Whether the shared-memory kernel loads its slices by bulk copies (launch_plan.h's bulk_stages and bulk_loads:
+    an sm_90 such as the H200, slices kept as stored in 16-byte vectors; the forward: a row normalized as loaded,
+    slices of more than one register round; the backward: the row on chip, x and dy of one size, which the model
+    takes the fused add's x, its residual stream, not to be)."""
+    if plan["path"] != "shared" or fused or plan["vec"] * elem != 16:
+        return False
+    return mode == "bwd" or plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
 
 
 def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool) -> float:
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
     forward register kernels whose next row, as stored, is at most PREFETCH_BYTES a thread (prefetches_next_row);
-    with bulk loads, every chunk but the last (each refilled once the normalize pass has read it, the last at the
-    row's end); the first of the other forward shared-memory kernels' rounds (load_slice_round); none elsewhere."""
-    if mode != "fwd" or not bursts:
+    with bulk loads, every chunk but the last (each refilled once the last pass over it, the forward's normalize or
+    the backward's dx pass, has read it; the last at the row's end); the first of the other forward shared-memory
+    kernels' rounds (load_slice_round); none elsewhere."""
+    if not bursts:
+        return 0.0
+    if bulk_loads(mode, plan, elem, fused):
+        return (BULK_STAGES - 1) / BULK_STAGES
+    if mode != "fwd":
         return 0.0
     if plan["path"] == "registers":
         return 1.0 if plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES else 0.0
-    if bulk_loads(mode, plan, elem, fused):
-        return (BULK_STAGES - 1) / BULK_STAGES
     return 1.0 / bursts if plan["path"] == "shared" else 0.0
 
 
@@ -432,6 +433,10 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
         slots = -(-count // 32)  # warp instructions per pass over the slice
         per_thread = -(-count // threads)
         calls = (2 if ln else 1) if mode == "fwd" else 1  # ClusterReduce2 calls per row
+        # Bulk loads: the copy engine's chunks of the slices in flight together (one round), and a block barrier
+        # after each chunk of the last pass (the forward's normalize, the backward's dx).
+        bulk = bulk_loads(mode, plan, elem, fused)
+        out["barriers"] = c * BULK_STAGES if bulk else 0.0
         # Per exchange: every warp's reads of the c results (the st.async into the c blocks, a few bytes of
         # distributed shared memory, are not counted: simt_emulator.h).
         per_block_scalar = calls * (_row_sum_requests(threads) + (warps * 2 * c if c > 1 else 0))
@@ -439,12 +444,8 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             params = parameter_count(op) if plan["slice_params"] else 0
             vector = slots * (3 * _pieces(vec, elem) + params * _pieces(vec, elem))
             vector_bytes = count * vec * elem * (3 + params)
-            # Bulk loads: the copy engine's chunks of the slice in flight together (one round), and a block barrier
-            # after each chunk of the normalize pass.
-            bulk = bulk_loads(mode, plan, elem, fused)
             out["bursts"] = 1 if bulk else -(-per_thread // FORWARD_SHARED_UNROLL)
             out["burst_streams"] = 1
-            out["barriers"] = c * BULK_STAGES if bulk else 0.0
             out["lone_dram"] = per_thread if fused else 0  # the residual, added vector by vector after the burst
             out["lone_l2"] = 0 if plan["slice_params"] else per_thread  # the weight and bias from global memory
         else:
@@ -459,7 +460,7 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             vector_bytes = (
                 count * vec * ((4 * elem if on_chip else 0) + (2 * elem if plan["slice_params"] else 0) + grads * 2 * 4)
             )
-            out["bursts"] = -(-per_thread // BACKWARD_SHARED_UNROLL)
+            out["bursts"] = 1 if bulk else -(-per_thread // BACKWARD_SHARED_UNROLL)
             out["burst_streams"] = 2
             # The dx pass: the row read again (from L2) where it is not on chip, BACKWARD_SHARED_UNROLL vectors of x
             # and dy a thread at a time where a vector as accumulated is at most 16 bytes (backward_reread_unroll),

@@ -54,6 +54,7 @@ struct BackwardParams {
   int64_t slice_vectors = 0;
   bool row_on_chip = false;
   bool staged_weight = false;
+  int bulk_stages = 0;  // the shared-memory kernel: its slices of x and dy loaded by bulk copies in this many chunks
   // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
   // kernels', and the shared-memory kernel's where a block holds whole rows.
   int partial_cluster = 1;
@@ -475,7 +476,11 @@ TLN_DEVICE void load_slice_round(const BackwardParams<T, W, acc_t, R>& p, int64_
 // p.partial_cluster > 1 the launch's thread-block clusters hold that many groups of p.cluster_blocks blocks (of one
 // block where a block holds whole rows), each group walking its own rows, and the groups' sums are added in group
 // order first (store_cluster_partial), so a cluster writes one partial row. A thread touches only the vectors
-// c = thread, thread + threads, ... of the slice, so only the row sums need barriers.
+// c = thread, thread + threads, ... of the slice, so only the row sums need barriers (bulk loads: each chunk's
+// mbarrier, and a block barrier before a chunk is refilled).
+// With p.bulk_stages (sm_90, the row on chip, x and dy of one size in 16-byte vectors) thread 0 instead has the copy
+// engine load the slices of x and dy into shared memory (SliceRing), the block's next row's chunk by chunk as the dx
+// pass finishes each: that row's loads are in flight during this row's dx pass and the next row's reductions.
 // The weight slice is copied on chip once where p.staged_weight, read per row from global memory (L2) otherwise.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel(BackwardParams<T, W, acc_t, R> p) {
@@ -484,7 +489,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   const bool dbias = KIND == NormKind::LayerNorm && p.partial_dbias != nullptr;
   const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, p.row_on_chip ? sizeof(R) : 0,
                                int{p.staged_weight}, sizeof(W), sizeof(acc_t), p.row_on_chip ? sizeof(T) : 0,
-                               int{dweight} + int{dbias});
+                               int{dweight} + int{dbias}, p.bulk_stages);
   auto vectors = [&](auto elem, size_t offset) {
     using E = decltype(elem);
     return SharedVectors<E, VEC>{reinterpret_cast<typename SharedVectors<E, VEC>::Piece*>(shared + offset),
@@ -511,24 +516,68 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     if (dweight) dweight_sums.store(c, zeros);
     if (dbias) dbias_sums.store(c, zeros);
   }
+  // Bulk loads where the slices of x and dy are kept as stored, in 16-byte vectors (p.bulk_stages > 0: sm_90, the
+  // row on chip).
+  constexpr bool kBulkable = sizeof(R) == sizeof(T) && VEC * sizeof(T) == kVectorBytes;
+  const bool bulk = kBulkable && p.bulk_stages > 0;
+  const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
+  const bool producer = dev::thread_x() == 0;
+  if (bulk && producer) ring.init();
+  // Element offsets of a row's slice in dy, and in x: the same but for a strided x of the input's dtype (the only
+  // kind, see x_rows).
+  const auto dy_start = [&](int64_t row) { return row * p.cols + first * VEC; };
+  const auto x_start = [&](int64_t row) {
+    return std::is_same_v<T, R> ? p.x_offset(row) + first * VEC : dy_start(row);
+  };
+  // Thread 0: chunks [from, to) of `row`'s slices of x and dy, none past the last row.
+  const auto load_chunks = [&](int64_t row, int from, int to) {
+    if (!producer || row >= p.rows) return;
+    const SliceRing::Stream x_stream{shared, p.x + x_start(row)}, dy_stream{shared + layout.dy, p.dy + dy_start(row)};
+    for (int k = from; k < to; ++k) ring.load(k, x_stream, dy_stream);
+  };
   ClusterReduce2<acc_t> cluster_sum2(shared + layout.exchange, cluster);
+  if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
   // A cluster's groups walk the same leads, group g row lead + g, each reducing its row sums within the group: a
   // group past the last row takes its reductions with nothing to add.
-  for (int64_t lead = dev::block_x() / cluster - group; lead < p.rows; lead += dev::grid_dim_x() / cluster) {
+  const int64_t row_step = dev::grid_dim_x() / cluster;
+  if (bulk) load_chunks(dev::block_x() / cluster, 0, p.bulk_stages);
+  unsigned parity = 0;  // of the ring's phases for this row
+  for (int64_t lead = dev::block_x() / cluster - group; lead < p.rows; lead += row_step, parity ^= 1) {
     const int64_t row = lead + group;
     const bool active = row < p.rows;
     const int64_t row_count = active ? count : 0;  // vectors of the slice this row loads
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
-    const int64_t row_start = row * p.cols + first * VEC;  // element offset of the slice in dy
-    // and in x: the same offset but for a strided x of the input's dtype (the only kind, see x_rows)
-    const int64_t x_start = std::is_same_v<T, R> ? p.x_offset(row) + first * VEC : row_start;
+    const int64_t row_start = dy_start(row), row_x_start = x_start(row);
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
-    for (int64_t base = dev::thread_x(); base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
+    // Vector c of the slice (x and dy as acc_t): the row sums' terms and the gradient sums' dy * xhat and dy.
+    const auto add_terms = [&](int64_t c, acc_t(&xhat)[VEC], const acc_t(&dy)[VEC]) {
+      acc_t w[VEC];
+      slice_weight(p, weight_slice, first, c, w);
+      to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);
+      add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
+      if (dweight) {
+        acc_t dy_xhat[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
+        add_to_sums(dweight_sums, c, dy_xhat);
+      }
+      if (dbias) add_to_sums(dbias_sums, c, dy);
+    };
+    for (int k = 0; bulk && active && k < p.bulk_stages; ++k) {
+      ring.wait(k, parity);
+      for (int64_t c = ring.begin(k) + dev::thread_x(); c < ring.end(k); c += threads) {
+        acc_t xhat[VEC], dy[VEC];
+        x_slice.load(c, xhat);
+        dy_slice.load(c, dy);
+        add_terms(c, xhat, dy);
+      }
+    }
+    for (int64_t base = dev::thread_x(); !bulk && base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
       Vec<R, VEC> x_raw[kBackwardSharedUnroll];
       Vec<T, VEC> dy_raw[kBackwardSharedUnroll];
-      load_slice_round(p, x_start, row_start, row_count, base, x_raw, dy_raw);
+      load_slice_round(p, row_x_start, row_start, row_count, base, x_raw, dy_raw);
 #pragma unroll
       for (int k = 0; k < kBackwardSharedUnroll; ++k) {
         const int64_t c = base + int64_t{k} * threads;
@@ -537,48 +586,52 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
           x_slice.store(c, x_raw[k]);
           dy_slice.store(c, dy_raw[k]);
         }
-        acc_t xhat[VEC], dy[VEC], w[VEC];
+        acc_t xhat[VEC], dy[VEC];
         row_vector(x_raw[k], dy_raw[k], xhat, dy);
-        slice_weight(p, weight_slice, first, c, w);
-        to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);
-        add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
-        if (dweight) {
-          acc_t dy_xhat[VEC];
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
-          add_to_sums(dweight_sums, c, dy_xhat);
-        }
-        if (dbias) add_to_sums(dbias_sums, c, dy);
+        add_terms(c, xhat, dy);
       }
     }
     cluster_sum2(sum_g, sum_g_xhat, threads, scratch);
-    if (!active || p.dx == nullptr) continue;
+    if (!active) continue;
+    if (p.dx == nullptr) {  // the row sums' block barrier followed the last read of the slices: refill them whole
+      if (bulk) load_chunks(row + row_step, 0, p.bulk_stages);
+      continue;
+    }
     // A row too long for the cluster's shared memory is read again (mostly from L2), kReread vectors of x and of dy
     // a thread, all in flight before the first is used (one at a time, a thread had two loads in flight: float32
     // D=262144 ran at 48% of copy).
+    // With bulk loads by chunks of the ring, each refilled with the next row's once read by the block.
     constexpr int kReread = backward_reread_unroll(VEC, sizeof(acc_t));
-    for (int64_t base = dev::thread_x(); base < count; base += int64_t{kReread} * threads) {
-      Vec<R, VEC> x_raw[kReread];
-      Vec<T, VEC> dy_raw[kReread];
-      if (kReread > 1 && !p.row_on_chip) load_slice_round(p, x_start, row_start, count, base, x_raw, dy_raw);
+    const int chunks = bulk ? p.bulk_stages : 1;
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t end = bulk ? ring.end(chunk) : count;
+      for (int64_t base = (bulk ? ring.begin(chunk) : 0) + dev::thread_x(); base < end;
+           base += int64_t{kReread} * threads) {
+        Vec<R, VEC> x_raw[kReread];
+        Vec<T, VEC> dy_raw[kReread];
+        if (kReread > 1 && !p.row_on_chip) load_slice_round(p, row_x_start, row_start, end, base, x_raw, dy_raw);
 #pragma unroll
-      for (int k = 0; k < kReread; ++k) {
-        const int64_t c = base + int64_t{k} * threads;
-        if (c >= count) break;
-        acc_t xhat[VEC], dy[VEC], w[VEC];
-        if (p.row_on_chip) {
-          x_slice.load(c, xhat);
-          dy_slice.load(c, dy);
-        } else if constexpr (kReread == 1) {  // plain loads, as used
-          row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + x_start) + c),
-                     dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
-        } else {
-          row_vector(x_raw[k], dy_raw[k], xhat, dy);
+        for (int k = 0; k < kReread; ++k) {
+          const int64_t c = base + int64_t{k} * threads;
+          if (c >= end) break;
+          acc_t xhat[VEC], dy[VEC], w[VEC];
+          if (p.row_on_chip) {
+            x_slice.load(c, xhat);
+            dy_slice.load(c, dy);
+          } else if constexpr (kReread == 1) {  // plain loads, as used
+            row_vector(dev::load_global(reinterpret_cast<const Vec<R, VEC>*>(p.x + row_x_start) + c),
+                       dev::load_global(reinterpret_cast<const Vec<T, VEC>*>(p.dy + row_start) + c), xhat, dy);
+          } else {
+            row_vector(x_raw[k], dy_raw[k], xhat, dy);
+          }
+          to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);  // as the first pass computed it
+          slice_weight(p, weight_slice, first, c, w);
+          store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
         }
-        to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);  // as the first pass computed it
-        slice_weight(p, weight_slice, first, c, w);
-        store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
       }
+      if (!bulk) continue;
+      dev::sync_threads();  // chunk read by every thread
+      load_chunks(row + row_step, chunk, chunk + 1);
     }
   }
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores

@@ -513,55 +513,6 @@ TLN_DEVICE void load_slice_round(const ForwardParams<T, W, acc_t, R>& p, int64_t
   }
 }
 
-// The shared-memory kernel's bulk loads (p.bulk_stages > 0: sm_90, a row normalized as loaded, 16-byte vectors,
-// whose layout in shared memory (SharedVectors) is then the row's own): thread 0 has the copy engine load the block's
-// slice of a row in p.bulk_stages chunks, each completing on an mbarrier of its own, so that the first pass waits for
-// one chunk at a time, and refills a chunk with the next row's as soon as this row's last pass has read it: the next
-// row's loads are in flight during this one's stores, with no registers held for them.
-template <typename T, int VEC>
-struct SliceRing {
-  uint64_t* full;  // a chunk's mbarrier: one arrival (thread 0's, expecting its bytes), one phase per row
-  unsigned char* slice;
-  int64_t first, count;  // the block's slice of the row, in vectors
-  int64_t chunk;         // vectors per chunk: whole rounds of the block's threads (0: no bulk loads)
-  int stages;
-
-  TLN_DEVICE SliceRing(unsigned char* shared, size_t barriers, RowSlice mine, int stages, int threads)
-      : full(reinterpret_cast<uint64_t*>(shared + barriers)),
-        slice(shared),
-        first(mine.first),
-        count(mine.count),
-        chunk(stages > 0 ? ((mine.count + stages - 1) / stages + threads - 1) / threads * threads : 0),
-        stages(stages) {}
-
-  // Vectors [begin(k), end(k)) of the slice are chunk k's (none for the last chunks of a short slice).
-  TLN_DEVICE int64_t begin(int k) const { return k * chunk < count ? k * chunk : count; }
-  TLN_DEVICE int64_t end(int k) const { return (k + 1) * chunk < count ? (k + 1) * chunk : count; }
-
-  // Thread 0, once: the mbarriers (a block barrier must follow before the other threads wait on them).
-  TLN_DEVICE void init() const {
-    for (int k = 0; k < stages; ++k) dev::mbarrier_init(&full[k], 1);
-  }
-  // Thread 0: the copy of chunk k of `row` (none past the rows), after the block's reads of the chunk's last row.
-  template <typename W, typename acc_t, typename R>
-  TLN_DEVICE void load(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int k) const {
-    if (row >= p.rows || begin(k) == end(k)) return;
-    const auto bytes = static_cast<unsigned>((end(k) - begin(k)) * kVectorBytes);
-    dev::mbarrier_arrive_expect_tx(&full[k], bytes);
-    dev::bulk_load_shared(slice + begin(k) * kVectorBytes, p.x + p.x_rows.offset(row) + (first + begin(k)) * VEC, bytes,
-                          &full[k]);
-  }
-  // Thread 0: every chunk of `row`, where no read of the slice is pending.
-  template <typename W, typename acc_t, typename R>
-  TLN_DEVICE void load_row(const ForwardParams<T, W, acc_t, R>& p, int64_t row) const {
-    for (int k = 0; k < stages; ++k) load(p, row, k);
-  }
-  // Every thread, before reading chunk k of the row of this `parity` (rows alternate).
-  TLN_DEVICE void wait(int k, unsigned parity) const {
-    if (begin(k) < end(k)) dev::mbarrier_wait(&full[k], parity);
-  }
-};
-
 // Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
 // row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
@@ -592,8 +543,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   // Bulk loads where the slice's layout is the row's as stored (a row as loaded, 16-byte vectors).
   constexpr bool kBulkable = std::is_same_v<R, T> && VEC * sizeof(T) == kVectorBytes;
   const bool bulk = kBulkable && p.bulk_stages > 0;
-  const SliceRing<T, VEC> ring(shared, layout.stages, mine, p.bulk_stages, threads);
+  const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
   const bool producer = dev::thread_x() == 0;
+  // Thread 0: chunks [from, to) of `row`'s slice, none past the last row.
+  const auto load_chunks = [&](int64_t row, int from, int to) {
+    if (!producer || row >= p.rows) return;
+    const SliceRing::Stream x_slice{shared, p.x + p.x_rows.offset(row) + first * VEC};
+    for (int k = from; k < to; ++k) ring.load(k, x_slice);
+  };
   if (bulk && producer) ring.init();
   ClusterReduce2<acc_t> cluster_reduce2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
@@ -603,7 +560,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   // loads, every chunk of the block's first row instead.
   Vec<T, VEC> raw[kSharedRowUnroll];
   if (!bulk) load_slice_round(p, dev::block_x() / cluster, first, count, dev::thread_x(), raw);
-  if (bulk && producer) ring.load_row(p, dev::block_x() / cluster);
+  if (bulk) load_chunks(dev::block_x() / cluster, 0, p.bulk_stages);
   unsigned parity = 0;  // of the ring's phases for this row
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += row_step, parity ^= 1) {
     acc_t sum = acc_t(0);
@@ -674,7 +631,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
                                      writes, reduce);
       }
       if (bulk) dev::sync_threads();  // the slice read: the next row's chunks may land
-      if (bulk && producer) ring.load_row(p, row + row_step);
+      if (bulk) load_chunks(row + row_step, 0, p.bulk_stages);
       continue;
     }
     // By chunks of the ring (the whole slice as one without bulk loads): a chunk read by the block is refilled with
@@ -691,7 +648,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       }
       if (!bulk) continue;
       dev::sync_threads();  // chunk k read by every thread
-      if (producer) ring.load(p, row + row_step, k);
+      load_chunks(row + row_step, k, k + 1);
     }
   }
   // No barrier before exiting: no block reads another's shared memory, every store into a block completes a phase

@@ -76,13 +76,13 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       gated ? SharedRowSpace{}
             : forward_shared_row_space<acc_t, R, W>(
                   p.weight != nullptr, p.bias != nullptr,
-                  bulk_stages(limits.max_cluster_blocks, p.residual != nullptr, vec_ok), limits);
+                  bulk_stages(limits.max_cluster_blocks, p.residual == nullptr && vec_ok), limits);
   RowPlan plan =
       plan_rows(k.rows, k.cols, sizeof(T), vec_ok,
                 gated ? ForwardKernels<T, W, acc_t, R, false, true>::budget : ForwardKernels<T, W, acc_t, R>::budget,
                 shared_space);
   p.threads_per_row = plan.threads_per_row;
-  p.bulk_stages = plan.shared_row() && bulk_loads_for(plan.slice_vectors) ? shared_space.stage_barriers : 0;
+  p.bulk_stages = bulk_loads(plan, shared_space, true);
   p.cluster_blocks = plan.cluster_blocks;
   p.slice_vectors = plan.slice_vectors;
   p.staged_params = plan.slice_params;

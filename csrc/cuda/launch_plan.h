@@ -127,26 +127,20 @@ constexpr size_t cluster_exchange_bytes(size_t acc_bytes, int blocks) {
   return blocks > 1 ? 2 * sizeof(uint64_t) + 2 * static_cast<size_t>(blocks) * 2 * acc_bytes : 0;
 }
 
-// The shared-memory forward may stream its slice of each row into shared memory by bulk copies (sm_90's copy engine,
-// on devices with clusters) in this many chunks, each completing on an mbarrier of its own, where the row is
-// normalized as loaded (no residual add) and read in 16-byte vectors (SliceRing, forward.cuh): their room is kept
-// in its layout there.
+// The shared-memory kernels may stream their slices of each row into shared memory by bulk copies (sm_90's copy
+// engine, on devices with clusters) in this many chunks, each completing on an mbarrier of its own, where the slices
+// are kept as stored in global memory, in 16-byte vectors (`as_stored`: the forward's row normalized as loaded, with
+// no residual add; the backward's x and dy of one size) (SliceRing, shared_vectors.cuh): their room is kept in the
+// layout there.
 constexpr int kBulkStages = 4;
-constexpr int bulk_stages(int max_cluster_blocks, bool residual, bool vectorizable) {
-  return max_cluster_blocks > 1 && !residual && vectorizable ? kBulkStages : 0;
+constexpr int bulk_stages(int max_cluster_blocks, bool as_stored) {
+  return max_cluster_blocks > 1 && as_stored ? kBulkStages : 0;
 }
-// It takes them for slices the staging through registers loads in several rounds (more than kSharedRowUnroll
-// vectors a thread), of which it prefetches only the first. A slice of one round it prefetches whole, during the row
-// before, which the chunks (each refilled only once read, after a block barrier) do not beat (kernel model).
-constexpr bool bulk_loads_for(int64_t slice_vectors) {
-  return slice_vectors > int64_t{kSharedRowUnroll} * kSharedRowThreads;
-}
-
 // Where the shared-memory path keeps things in a block's shared memory, as byte offsets: its slice of the row
 // (`slice_elems` of `row_elem_bytes`; the backward's x, then its dy, of `dy_elem_bytes`), of the weight and of the
 // bias (`param_rows` of them, each of `param_elem_bytes`, where the block keeps them), the backward's weight/bias
 // gradient sums (`grad_rows` of `acc_bytes`), the cluster reductions' exchange (rows over `cluster_blocks` blocks),
-// the row-sum scratch, the forward's bulk loads' mbarriers (`stages` of them).
+// the row-sum scratch, the bulk loads' mbarriers (`stages` of them).
 struct SharedRowLayout {
   size_t dy, weight, bias, grads, exchange, scratch, stages, total;
 
@@ -175,7 +169,7 @@ struct SharedRowSpace {
   int max_cluster_blocks = 1;
   size_t dy_elem_bytes = 0;
   int grad_rows = 0;
-  int stage_barriers = 0;  // the forward's bulk loads (bulk_stages)
+  int stage_barriers = 0;  // the bulk loads' (bulk_stages)
 
   // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
   SharedRowLayout layout(int64_t slice_vectors, int cluster_blocks, int vec, bool with_params,
@@ -185,6 +179,16 @@ struct SharedRowSpace {
             with_row ? dy_elem_bytes : 0, grad_rows,        stage_barriers};
   }
 };
+
+// The chunks `plan`'s shared-memory kernel loads by bulk copies (ForwardParams/BackwardParams::bulk_stages; 0: none),
+// where `space` has their room. The forward takes them for slices the staging through registers loads in several
+// rounds (more than kSharedRowUnroll vectors a thread), of which it prefetches only the first: a slice of one round it
+// prefetches whole, during the row before, which the chunks (each refilled only once read, after a block barrier) do
+// not beat (kernel model). The backward, whose staging prefetches nothing, takes them for every slice it keeps on chip.
+inline int bulk_loads(const RowPlan& plan, const SharedRowSpace& space, bool forward) {
+  const bool takes = forward ? plan.slice_vectors > int64_t{kSharedRowUnroll} * kSharedRowThreads : plan.row_on_chip;
+  return plan.shared_row() && takes ? space.stage_barriers : 0;
+}
 
 // The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
 // their shared memory (its slice of the row where `with_row`, of the weight and bias where `with_params`, and the

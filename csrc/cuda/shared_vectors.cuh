@@ -62,4 +62,53 @@ TLN_DEVICE RowSlice row_slice(int64_t row_vectors, int64_t slice_vectors, int cl
   return {first, rest < slice_vectors ? rest : slice_vectors};
 }
 
+// A block's slice of the rows it walks, kept in shared memory as stored in global memory (16-byte vectors, whose
+// SharedVectors layout is then the row's own) and loaded there by sm_90's copy engine (bulk copies) in `stages` chunks,
+// each completing on an mbarrier of its own: a kernel's passes over a row wait for one chunk at a time, and thread 0
+// refills a chunk with the block's next row as soon as the block's last pass over the chunk has read it (a block
+// barrier between), so the next row's loads are in flight during this row's reductions and stores, with no registers
+// held for them. A slice may be several rows of the same vectors (the backward's x and dy: streams), on one mbarrier.
+struct SliceRing {
+  // Where a stream's vectors go (its slice in shared memory) and come from (the row's slice in global memory).
+  struct Stream {
+    unsigned char* shared;
+    const void* global;
+  };
+
+  uint64_t* full;  // a chunk's mbarrier: one arrival (thread 0's, expecting its bytes), one phase per row
+  int64_t count;   // vectors in the slice
+  int64_t chunk;   // vectors per chunk: whole rounds of the block's threads (0: no bulk loads)
+  int stages;
+
+  TLN_DEVICE SliceRing(unsigned char* barriers, int64_t count, int stages, int threads)
+      : full(reinterpret_cast<uint64_t*>(barriers)),
+        count(count),
+        chunk(stages > 0 ? ((count + stages - 1) / stages + threads - 1) / threads * threads : 0),
+        stages(stages) {}
+
+  // Vectors [begin(k), end(k)) of the slice are chunk k's (none for the last chunks of a short slice).
+  TLN_DEVICE int64_t begin(int k) const { return k * chunk < count ? k * chunk : count; }
+  TLN_DEVICE int64_t end(int k) const { return (k + 1) * chunk < count ? (k + 1) * chunk : count; }
+
+  // Thread 0, once: the mbarriers (a block barrier must follow before the other threads wait on them).
+  TLN_DEVICE void init() const {
+    for (int k = 0; k < stages; ++k) dev::mbarrier_init(&full[k], 1);
+  }
+  // Thread 0: the copies of chunk k of a row's streams, after the block's reads of the chunk's previous row.
+  template <typename... Streams>
+  TLN_DEVICE void load(int k, const Streams&... streams) const {
+    if (begin(k) == end(k)) return;
+    const auto bytes = static_cast<unsigned>((end(k) - begin(k)) * kVectorBytes);
+    const auto offset = begin(k) * kVectorBytes;
+    dev::mbarrier_arrive_expect_tx(&full[k], bytes * sizeof...(Streams));
+    (dev::bulk_load_shared(streams.shared + offset, static_cast<const unsigned char*>(streams.global) + offset, bytes,
+                           &full[k]),
+     ...);
+  }
+  // Every thread, before reading chunk k of the row of this `parity` (rows alternate).
+  TLN_DEVICE void wait(int k, unsigned parity) const {
+    if (begin(k) < end(k)) dev::mbarrier_wait(&full[k], parity);
+  }
+};
+
 }  // namespace torch_ln

@@ -793,9 +793,9 @@ def test_forward_prefetch_walks_rows(kind, dtype, cols, prefetches):
     _check_against_torch(kind, x, weight, bias, dy)
 
 
-# The shared-memory forward's bulk loads (SliceRing, csrc/cuda/forward.cuh; sm_90 only, for slices of more than
-# 8 x 512 vectors: bulk_loads_for): the slice in 4 chunks of whole rounds of the block's 512 threads, each refilled
-# with the block's next row once read. Devices: None, the default sm_90 (227 KB a block).
+# The shared-memory forward's bulk loads (SliceRing, csrc/cuda/shared_vectors.cuh; sm_90 only, for slices of more
+# than 8 x 512 vectors: launch_plan.h's bulk_loads): the slice in 4 chunks of whole rounds of the block's 512 threads,
+# each refilled with the block's next row once read. Devices: None, the default sm_90 (227 KB a block).
 BULK_RING_CASES = [
     (torch.float32, 16392, True, None),  # a block: 4098 vectors, chunks of 1536, the last of the four empty
     (torch.float64, 8200, True, None),  # 2-element vectors: 4100 a block
@@ -852,6 +852,59 @@ def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantiz
         for w, u in zip(walked, unbulked):
             assert torch.equal(w, u)
     _check_forward(kind, x, weight, bias, walked[0])
+
+
+# The shared-memory backward's bulk loads (SliceRing; sm_90, slices of x and dy kept on chip: every such slice): x and
+# dy in 4 chunks of whole rounds of the block's 512 threads on one mbarrier each, each refilled with the block's next
+# row once the dx pass has read it (without dx: the whole slice, after one barrier). Devices: None, the default sm_90.
+BACKWARD_BULK_RING_CASES = [
+    (torch.float32, 8200, True),  # a block: 2050 vectors, chunks of 1024, the third of 2, the fourth empty
+    (torch.bfloat16, 8200, True),  # 8-element vectors: 1025 a block, chunks of 512, the third of 1
+    (torch.float64, 8200, True),  # a cluster of 2 blocks of 2050 2-element vectors
+    (torch.float32, 9000, False),  # no weight: nothing staged beside the row
+]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, True), (True, False, False)])
+@pytest.mark.parametrize("dtype,cols,affine", BACKWARD_BULK_RING_CASES)
+def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
+    # Regression guard for the backward's bulk loads: two resident blocks (a cluster of 2: a row's, or two groups of
+    # a block a row; or two blocks alone without parameter gradients) walk 11 rows, bitwise as each row alone (dx; no
+    # refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the slices staged through
+    # registers; every gradient), which takes 32 bytes less shared memory (the mbarriers).
+    rows = 11
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
+
+    def backward(rows_x, rows_dy):
+        ops.set_counting(True)
+        try:
+            out, _ = _emulated(kind, rows_x, weight, bias, rows_dy, 1e-5, mask)
+        finally:
+            ops.set_counting(False)
+        launch = next(r for r in json.loads(ops.take_launch_log()) if "norm_backward" in r["kernel"])
+        return out[1:], launch
+
+    with _device():
+        ops.set_device(1, 1024, None, 2)  # two blocks resident: they walk every row
+        *_, cluster, _, _, on_chip, _ = ops.plan("bwd", rows, cols, dtype.itemsize, True, 0, 2 if affine else 0)
+        assert on_chip, "the row on chip (with every gradient's sums): the bulk loads' slices"
+        walked, launch = backward(x, dy)
+        assert "shared" in launch["kernel"] and launch["grid"] == 2
+        for r in (0, 5, rows - 1):
+            alone, _ = backward(x[r : r + 1].clone(), dy[r : r + 1].clone())
+            assert torch.equal(walked[0][r : r + 1], alone[0]), f"dx of row {r}"
+    if cluster == 1:
+        with _device(cluster=1):
+            ops.set_device(1, 1024, None, 1)
+            unbulked, plain = backward(x, dy)
+        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 4 * 8
+        for w, u in zip(walked, unbulked):
+            assert (w is None and u is None) or torch.equal(w, u)
+    if mask == (True, True, True):
+        with _device():
+            ops.set_device(1, 1024, None, 2)
+            _check_against_torch(kind, x, weight, bias, dy)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
