@@ -432,6 +432,21 @@ TLN_DEVICE void add_to_sums(const SharedVectors<acc_t, VEC>& sums, int64_t c, co
   sums.store(c, out);
 }
 
+// Adds vector c's terms of the weight and bias gradients (those asked for: dweight, dbias) to a block's sums.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void add_gradient_terms(const BackwardParams<T, W, acc_t, R>& p,
+                                   const SharedVectors<acc_t, VEC>& dweight_sums,
+                                   const SharedVectors<acc_t, VEC>& dbias_sums, bool dweight, bool dbias, int64_t c,
+                                   const acc_t (&xhat)[VEC], const acc_t (&dy)[VEC]) {
+  if (dweight) {
+    acc_t dy_xhat[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
+    add_to_sums(dweight_sums, c, dy_xhat);
+  }
+  if (dbias) add_to_sums(dbias_sums, c, dy);
+}
+
 // The weight of vector c of a block's slice (whose first vector is `first`): from the block's copy where
 // p.staged_weight, from global memory otherwise.
 template <int VEC, typename T, typename W, typename acc_t, typename R>
@@ -531,9 +546,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   };
   // Thread 0: chunks [from, to) of `row`'s slices of x and dy, none past the last row.
   const auto load_chunks = [&](int64_t row, int from, int to) {
-    if (!producer || row >= p.rows) return;
-    const SliceRing::Stream x_stream{shared, p.x + x_start(row)}, dy_stream{shared + layout.dy, p.dy + dy_start(row)};
-    for (int k = from; k < to; ++k) ring.load(k, x_stream, dy_stream);
+    ring.load(producer & (row < p.rows), from, to, SliceRing::Stream{shared, p.x + x_start(row)},
+              SliceRing::Stream{shared + layout.dy, p.dy + dy_start(row)});
   };
   ClusterReduce2<acc_t> cluster_sum2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
@@ -557,13 +571,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       slice_weight(p, weight_slice, first, c, w);
       to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);
       add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
-      if (dweight) {
-        acc_t dy_xhat[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
-        add_to_sums(dweight_sums, c, dy_xhat);
-      }
-      if (dbias) add_to_sums(dbias_sums, c, dy);
+      add_gradient_terms(p, dweight_sums, dbias_sums, dweight, dbias, c, xhat, dy);
     };
     for (int k = 0; bulk && active && k < p.bulk_stages; ++k) {
       ring.wait(k, parity);

@@ -547,9 +547,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   const bool producer = dev::thread_x() == 0;
   // Thread 0: chunks [from, to) of `row`'s slice, none past the last row.
   const auto load_chunks = [&](int64_t row, int from, int to) {
-    if (!producer || row >= p.rows) return;
-    const SliceRing::Stream x_slice{shared, p.x + p.x_rows.offset(row) + first * VEC};
-    for (int k = from; k < to; ++k) ring.load(k, x_slice);
+    ring.load(producer & (row < p.rows), from, to, SliceRing::Stream{shared, p.x + p.x_rows.offset(row) + first * VEC});
   };
   if (bulk && producer) ring.init();
   ClusterReduce2<acc_t> cluster_reduce2(shared + layout.exchange, cluster);
