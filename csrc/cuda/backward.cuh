@@ -480,6 +480,31 @@ TLN_DEVICE void load_slice_round(const BackwardParams<T, W, acc_t, R>& p, int64_
   }
 }
 
+// Element offsets of a row's slice (its first vector `first`) in dy, and in x: the same but for a strided x of the
+// input's dtype (the only kind, see x_rows).
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE int64_t dy_slice_start(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t first) {
+  return row * p.cols + first * VEC;
+}
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE int64_t x_slice_start(const BackwardParams<T, W, acc_t, R>& p, int64_t row, int64_t first) {
+  if constexpr (std::is_same_v<T, R>) {
+    return p.x_offset(row) + first * VEC;
+  } else {
+    return dy_slice_start<VEC>(p, row, first);
+  }
+}
+
+// The bulk copies of chunks [from, to) of `row`'s slices of x and dy (their first vector `first`) into the block's
+// shared memory (x at its start, dy `dy_offset` bytes in), by thread 0 (`producer`), none past the last row. (Not a
+// lambda in the kernel: see the forward's load_slice_chunks.)
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const BackwardParams<T, W, acc_t, R>& p, unsigned char* shared,
+                                  size_t dy_offset, int64_t first, bool producer, int64_t row, int from, int to) {
+  ring.load(producer && row < p.rows, from, to, SliceRing::Stream{shared, p.x + x_slice_start<VEC>(p, row, first)},
+            SliceRing::Stream{shared + dy_offset, p.dy + dy_slice_start<VEC>(p, row, first)});
+}
+
 // Rows too long for registers (the backward of norm_forward_shared_kernel): a row per block, or per thread-block
 // cluster of p.cluster_blocks (sm_90), each block owning a slice of p.slice_vectors of the columns for all the rows
 // it walks. Per row a block reads its slices of x and dy once (kBackwardSharedUnroll vectors of each a thread, all in
@@ -538,24 +563,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
   const bool producer = dev::thread_x() == 0;
   if (bulk && producer) ring.init();
-  // Element offsets of a row's slice in dy, and in x: the same but for a strided x of the input's dtype (the only
-  // kind, see x_rows).
-  const auto dy_start = [&](int64_t row) { return row * p.cols + first * VEC; };
-  const auto x_start = [&](int64_t row) {
-    return std::is_same_v<T, R> ? p.x_offset(row) + first * VEC : dy_start(row);
-  };
-  // Thread 0: chunks [from, to) of `row`'s slices of x and dy, none past the last row.
-  const auto load_chunks = [&](int64_t row, int from, int to) {
-    ring.load(producer & (row < p.rows), from, to, SliceRing::Stream{shared, p.x + x_start(row)},
-              SliceRing::Stream{shared + layout.dy, p.dy + dy_start(row)});
-  };
   ClusterReduce2<acc_t> cluster_sum2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
   // A cluster's groups walk the same leads, group g row lead + g, each reducing its row sums within the group: a
   // group past the last row takes its reductions with nothing to add.
   const int64_t row_step = dev::grid_dim_x() / cluster;
-  if (bulk) load_chunks(dev::block_x() / cluster, 0, p.bulk_stages);
+  if (bulk)
+    load_slice_chunks<VEC>(ring, p, shared, layout.dy, first, producer, dev::block_x() / cluster, 0, p.bulk_stages);
   unsigned parity = 0;  // of the ring's phases for this row
   for (int64_t lead = dev::block_x() / cluster - group; lead < p.rows; lead += row_step, parity ^= 1) {
     const int64_t row = lead + group;
@@ -563,7 +578,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     const int64_t row_count = active ? count : 0;  // vectors of the slice this row loads
     const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
-    const int64_t row_start = dy_start(row), row_x_start = x_start(row);
+    const int64_t row_start = dy_slice_start<VEC>(p, row, first), row_x_start = x_slice_start<VEC>(p, row, first);
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
     // Vector c of the slice (x and dy as acc_t): the row sums' terms and the gradient sums' dy * xhat and dy.
     const auto add_terms = [&](int64_t c, acc_t(&xhat)[VEC], const acc_t(&dy)[VEC]) {
@@ -602,7 +617,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     cluster_sum2(sum_g, sum_g_xhat, threads, scratch);
     if (!active) continue;
     if (p.dx == nullptr) {  // the row sums' block barrier followed the last read of the slices: refill them whole
-      if (bulk) load_chunks(row + row_step, 0, p.bulk_stages);
+      if (bulk) load_slice_chunks<VEC>(ring, p, shared, layout.dy, first, producer, row + row_step, 0, p.bulk_stages);
       continue;
     }
     // A row too long for the cluster's shared memory is read again (mostly from L2), kReread vectors of x and of dy
@@ -639,7 +654,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       }
       if (!bulk) continue;
       dev::sync_threads();  // chunk read by every thread
-      load_chunks(row + row_step, chunk, chunk + 1);
+      load_slice_chunks<VEC>(ring, p, shared, layout.dy, first, producer, row + row_step, chunk, chunk + 1);
     }
   }
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores

@@ -513,6 +513,16 @@ TLN_DEVICE void load_slice_round(const ForwardParams<T, W, acc_t, R>& p, int64_t
   }
 }
 
+// The bulk copies of chunks [from, to) of `row`'s slice (its first vector `first`) into the start of the block's
+// shared memory, by thread 0 (`producer`), none past the last row. (Not a lambda in the kernel: the coverage gate
+// counts a lambda's branch arms over all the kernel's instances together, and instances without bulk loads never
+// call it.)
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const ForwardParams<T, W, acc_t, R>& p, unsigned char* shared,
+                                  int64_t first, bool producer, int64_t row, int from, int to) {
+  ring.load(producer && row < p.rows, from, to, SliceRing::Stream{shared, p.x + p.x_rows.offset(row) + first * VEC});
+}
+
 // Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
 // row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
@@ -545,10 +555,6 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   const bool bulk = kBulkable && p.bulk_stages > 0;
   const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
   const bool producer = dev::thread_x() == 0;
-  // Thread 0: chunks [from, to) of `row`'s slice, none past the last row.
-  const auto load_chunks = [&](int64_t row, int from, int to) {
-    ring.load(producer & (row < p.rows), from, to, SliceRing::Stream{shared, p.x + p.x_rows.offset(row) + first * VEC});
-  };
   if (bulk && producer) ring.init();
   ClusterReduce2<acc_t> cluster_reduce2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
@@ -558,7 +564,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   // loads, every chunk of the block's first row instead.
   Vec<T, VEC> raw[kSharedRowUnroll];
   if (!bulk) load_slice_round(p, dev::block_x() / cluster, first, count, dev::thread_x(), raw);
-  if (bulk) load_chunks(dev::block_x() / cluster, 0, p.bulk_stages);
+  if (bulk) load_slice_chunks<VEC>(ring, p, shared, first, producer, dev::block_x() / cluster, 0, p.bulk_stages);
   unsigned parity = 0;  // of the ring's phases for this row
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += row_step, parity ^= 1) {
     acc_t sum = acc_t(0);
@@ -629,7 +635,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
                                      writes, reduce);
       }
       if (bulk) dev::sync_threads();  // the slice read: the next row's chunks may land
-      if (bulk) load_chunks(row + row_step, 0, p.bulk_stages);
+      if (bulk) load_slice_chunks<VEC>(ring, p, shared, first, producer, row + row_step, 0, p.bulk_stages);
       continue;
     }
     // By chunks of the ring (the whole slice as one without bulk loads): a chunk read by the block is refilled with
@@ -646,7 +652,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       }
       if (!bulk) continue;
       dev::sync_threads();  // chunk k read by every thread
-      load_chunks(row + row_step, k, k + 1);
+      load_slice_chunks<VEC>(ring, p, shared, first, producer, row + row_step, k, k + 1);
     }
   }
   // No barrier before exiting: no block reads another's shared memory, every store into a block completes a phase

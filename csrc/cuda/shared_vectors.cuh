@@ -95,8 +95,7 @@ struct SliceRing {
     for (int k = 0; k < stages; ++k) dev::mbarrier_init(&full[k], 1);
   }
   // Where `loads` (thread 0, for a row before the last's end): the copies of chunks [from, to) of a row's streams,
-  // after the block's reads of those chunks' previous row. (The kernels' lambdas that call this hold no branch: the
-  // coverage gate counts a lambda's branch arms over all the kernel instances together.)
+  // after the block's reads of those chunks' previous row.
   template <typename... Streams>
   TLN_DEVICE void load(bool loads, int from, int to, const Streams&... streams) const {
     for (int k = from; loads && k < to; ++k) {
