@@ -66,6 +66,7 @@ class Gpu:
     # A programmatic dependent launch (the backward's reduce): its launch overlaps the end of the kernel before it.
     dependent_launch_s: float = 1e-6
     max_cluster_blocks: int = 16  # sm_90's non-portable cluster size (the launchers opt in beyond 8)
+    max_shared_per_block: int = 227 * 1024  # dynamic shared memory a block may opt in to
     l1_shared_bytes: int = 256 * 1024  # an SM's L1 data cache and shared memory, one array
     # The shared-memory carveouts an sm_90 SM can be configured with (KiB); the rest of the 256 KiB is L1.
     carveouts_kib: tuple[int, ...] = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
@@ -307,16 +308,31 @@ def traffic_coefficients(op, mode, D, M, dtype, plan, concurrent_blocks, fused=F
     return out
 
 
+def prefetch_ring_bytes(mode: str, plan: dict, elem: int) -> int:
+    """The register backward's prefetch ring (TilePrefetch, backward_launch.h): two stages of each thread's vectors
+    of x (the fused add's residual stream, in x's dtype as the model runs it) and dy, for vectorized rows with float32
+    sums (backward_prefetches); 0 elsewhere. (The launcher drops it where it would not fit; at the model's D it
+    fits.)"""
+    if mode != "bwd" or plan["path"] != "registers" or plan["vec"] == 1 or elem == 8:
+        return 0
+    return 2 * plan["items"] * plan["block_threads"] * plan["vec"] * 2 * elem
+
+
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
     """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
     of rows over 32 threads; the backward with several rows a block (or a cluster of blocks) adds their partial rows on
-    chip; the forward's register kernel keeps its copy of the weight and bias (`staged`) ahead of them; the
-    shared-memory kernel's, as the plan says (its slice of the row, and of the weight and bias where they fit)."""
+    chip, and its register kernel's prefetch ring follows (16-byte aligned); the forward's register kernel keeps its
+    copy of the weight and bias (`staged`) ahead of them; the shared-memory kernel's, as the plan says (its slice of
+    the row, and of the weight and bias where they fit)."""
     if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
     if mode == "bwd" and (plan["rows_per_block"] > 1 or plan["partial_cluster"] > 1):
         smem = max(smem, plan["rows_per_block"] * D * 4)
+    ring = prefetch_ring_bytes(mode, plan, elem)
+    if ring:
+        smem = -(-smem // 16) * 16 + ring
+        assert smem <= H200.max_shared_per_block, f"D={D}: the prefetch ring would not fit"
     if staged and mode == "fwd" and plan["path"] == "registers":
         smem += -(-parameter_count(op) * D * elem // 16) * 16
     return smem
@@ -356,11 +372,14 @@ def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool)
     forward register kernels whose next row, as stored, is at most PREFETCH_BYTES a thread (prefetches_next_row);
     with bulk loads, every chunk but the last (each refilled once the last pass over it, the forward's normalize or
     the backward's dx pass, has read it; the last at the row's end); the first of the other forward shared-memory
-    kernels' rounds (load_slice_round); none elsewhere."""
+    kernels' rounds (load_slice_round); all of them in the backward register kernels with a prefetch ring; none
+    elsewhere."""
     if not bursts:
         return 0.0
     if bulk_loads(mode, plan, elem, fused):
         return (BULK_STAGES - 1) / BULK_STAGES
+    if prefetch_ring_bytes(mode, plan, elem):
+        return 1.0
     if mode != "fwd":
         return 0.0
     if plan["path"] == "registers":
@@ -419,6 +438,9 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             params = parameter_count(op)
             out["shared_requests"] += params * slots * _pieces(vec, elem)
             out["shared_bytes"] = params * D * elem
+        elif prefetch_ring_bytes(mode, plan, elem):  # x and dy read from the prefetch ring (copied by cp.async)
+            out["shared_requests"] += slots * 2 * _pieces(vec, elem)
+            out["shared_bytes"] = 2 * D * elem
         # The fused add: the forward reads the residual and the backward the gradient of residual_out vector by
         # vector, each load in its own branch before its use (SASS: LDG, use, STG per vector).
         out["bursts"], out["lone_dram"], out["lone_l2"] = 1, per_lane if fused else 0, 0

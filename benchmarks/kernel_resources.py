@@ -139,7 +139,8 @@ def parse_sass(text: str) -> dict[str, dict]:
         regs = [int(r) for r in _REG.findall(operands)]
         if op.startswith("STG"):
             out[name]["stores_128" if ".128" in op else "stores_narrow"] += 1
-        if op.startswith("LDG"):
+        # (LDGSTS, cp.async, loads into shared memory: no register to wait for)
+        if op.startswith("LDG") and not op.startswith(("LDGSTS", "LDGDEPBAR")):
             if pending & set(regs[1:]):  # the address depends on a load in flight
                 pending, loads, nbytes = set(), 0, 0
             size = _load_bytes(op)

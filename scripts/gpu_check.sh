@@ -182,7 +182,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-06-kernel-model-bulk-backward/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-06-kernel-model-prefetch-backward/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack

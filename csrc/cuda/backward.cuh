@@ -55,6 +55,10 @@ struct BackwardParams {
   bool row_on_chip = false;
   bool staged_weight = false;
   int bulk_stages = 0;  // the shared-memory kernel: its slices of x and dy loaded by bulk copies in this many chunks
+  // The register kernel's prefetch of its next tile (TilePrefetch): whether it runs, and where in the dynamic shared
+  // memory its ring starts (bytes, after the row reductions' and partial rows' room).
+  bool prefetch = false;
+  size_t prefetch_offset = 0;
   // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
   // kernels', and the shared-memory kernel's where a block holds whole rows.
   int partial_cluster = 1;
@@ -278,6 +282,66 @@ TLN_DEVICE void store_block_partial(acc_t* partial, const acc_t (&sums)[ITEMS][V
   dev::sync_threads();  // smem is reused by the next gradient
 }
 
+// A row of a register kernel's tile: whether the thread has one (the last tile may be partial), which, and its
+// statistics (mean 0 for RMSNorm; both 0 where inactive).
+template <typename acc_t>
+struct TileRow {
+  bool active;
+  int64_t row;
+  acc_t mean, rstd;
+};
+
+template <typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE TileRow<acc_t> tile_row(const BackwardParams<T, W, acc_t, R>& p, const GroupWalk& walk,
+                                   const RowLayout& layout, int64_t tile, int64_t batch_rows) {
+  const bool active = tile + layout.row_in_block < batch_rows;
+  const int64_t row = walk.row(tile + layout.row_in_block);
+  return {active, row, active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0),
+          active ? dev::load_global(&p.rstd[row]) : acc_t(0)};
+}
+
+// The register backward's next tile, prefetched: each thread copies its vectors of x and dy for its row of the next
+// tile into its own slots of a two-stage ring in shared memory by cp.async while it works on this tile, and waits
+// for them (cp.async.wait_group) when it gets there, so a row's loads are not a round trip to DRAM after the last
+// row's stores. A thread reads only what it copied itself: no barrier, no mbarrier. Slot (stage, k) of a thread is
+// vector (stage * ITEMS + k) * threads + thread of each stream (consecutive 16-byte pieces across a warp).
+template <typename T, typename R, int VEC, int ITEMS>
+struct TilePrefetch {
+  SharedVectors<R, VEC> x;
+  SharedVectors<T, VEC> dy;
+  int64_t threads, thread;
+
+  TLN_DEVICE TilePrefetch(unsigned char* base, int64_t block_threads)
+      : x{reinterpret_cast<typename SharedVectors<R, VEC>::Piece*>(base), 2 * ITEMS * block_threads},
+        dy{reinterpret_cast<typename SharedVectors<T, VEC>::Piece*>(
+               base + SharedVectors<R, VEC>::bytes(2 * ITEMS * block_threads)),
+           2 * ITEMS * block_threads},
+        threads(block_threads),
+        thread(dev::thread_x()) {}
+
+  TLN_DEVICE int64_t slot(int stage, int k) const { return (int64_t{stage} * ITEMS + k) * threads + thread; }
+
+  // Copies the thread's vectors of `at`'s row into `stage` (those in the row: the kernel reads no others).
+  template <typename W, typename acc_t>
+  TLN_DEVICE void copy(const BackwardParams<T, W, acc_t, R>& p, const RowLayout& layout, const TileRow<acc_t>& at,
+                       int stage) const {
+    const R* x_row = p.x + p.x_offset(at.row);
+    const T* dy_row = p.dy + at.row * p.cols;
+    const int64_t nvec = p.cols / VEC;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (!at.active || layout.vector(k) >= nvec) continue;
+      x.copy_async(slot(stage, k), x_row + layout.vector(k) * VEC);
+      dy.copy_async(slot(stage, k), dy_row + layout.vector(k) * VEC);
+    }
+  }
+};
+
+// Whether a register backward instance prefetches its next tile (TilePrefetch): vectorized rows (cp.async moves
+// 16-byte pieces) with float32 sums; not float64's (bound by their arithmetic) nor the gated instances' (their
+// gate's loads would still wait).
+constexpr bool backward_prefetches(int vec, int acc_bytes, bool gated) { return vec > 1 && acc_bytes == 4 && !gated; }
+
 // Rows held in registers, laid out as in the forward. A block walks the tiles
 // block, block + blocks, ...; each thread keeps its columns' weight and its
 // share of the weight/bias gradient sums in registers, and the block (where
@@ -307,12 +371,35 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
     }
   }
   const int64_t batch_rows = p.rows / walk.groups;
-  for (int64_t tile = walk.unit * layout.rows_per_block; tile < batch_rows;
-       tile += walk.units * layout.rows_per_block) {
-    const bool active = tile + layout.row_in_block < batch_rows;
-    const int64_t row = walk.row(tile + layout.row_in_block);
-    const acc_t mean = active && p.mean != nullptr ? dev::load_global(&p.mean[row]) : acc_t(0);
-    const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
+  const int64_t first_tile = walk.unit * layout.rows_per_block, tile_step = walk.units * layout.rows_per_block;
+  constexpr bool kPrefetches = backward_prefetches(VEC, sizeof(acc_t), GATED);
+  const bool prefetch = kPrefetches && p.prefetch;
+  const TilePrefetch<T, R, VEC, ITEMS> ring(dev::dynamic_shared<unsigned char>() + p.prefetch_offset,
+                                            dev::block_dim_x());
+  TileRow<acc_t> next = {};  // the prefetched tile's row
+  if constexpr (kPrefetches) {
+    if (prefetch) {
+      next = tile_row(p, walk, layout, first_tile, batch_rows);
+      ring.copy(p, layout, next, 0);
+      dev::copy_async_commit();
+    }
+  }
+  int stage = 0;
+  for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage ^= 1) {
+    const TileRow<acc_t> at = prefetch ? next : tile_row(p, walk, layout, tile, batch_rows);
+    if constexpr (kPrefetches) {
+      if (prefetch) {  // the next tile's copies (an empty group after the last), then this tile's wait
+        if (tile + tile_step < batch_rows) {
+          next = tile_row(p, walk, layout, tile + tile_step, batch_rows);
+          ring.copy(p, layout, next, stage ^ 1);
+        }
+        dev::copy_async_commit();
+        dev::copy_async_wait<1>();
+      }
+    }
+    const bool active = at.active;
+    const int64_t row = at.row;
+    const acc_t mean = at.mean, rstd = at.rstd;
     acc_t xhat[ITEMS][VEC], dy[ITEMS][VEC];
     const R* x_row = p.x + p.x_offset(row);
     // Every load of the row is issued before the first use: predicated loads in straight-line code (no branch
@@ -322,6 +409,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
       const bool in_row = active && layout.vector(k) < nvec;
       // float64 rows are bound by their arithmetic, and all their loads at once would spill: one branch each.
       if (sizeof(acc_t) == 8 && !in_row) continue;
+      if constexpr (kPrefetches) {
+        if (prefetch) {  // (vectors beyond the row are neither copied nor used)
+          if (!in_row) continue;
+          ring.x.load(ring.slot(stage, k), xhat[k]);
+          ring.dy.load(ring.slot(stage, k), dy[k]);
+          continue;
+        }
+      }
       to_acc(load_vec_if<VEC>(in_row, x_row, layout.vector(k) * VEC), xhat[k]);
       to_acc(load_vec_if<VEC>(in_row, p.dy, row * p.cols + layout.vector(k) * VEC), dy[k]);
     }

@@ -106,6 +106,17 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
           std::max(plan.smem_bytes<acc_t>(),
                    plan.rows_per_block > 1 || cluster > 1 ? plan.rows_per_block * k.cols * sizeof(acc_t) : size_t{0});
     }
+    // The register kernel's prefetch ring after that (TilePrefetch: two stages of each thread's vectors of x and dy),
+    // where the block's shared memory has room for it.
+    const size_t prefetch_offset =
+        static_cast<size_t>(ceil_div(static_cast<int64_t>(smem), kVectorBytes)) * kVectorBytes;
+    const size_t ring = 2 * static_cast<size_t>(plan.items) * plan.block_threads() * plan.vec * (sizeof(R) + sizeof(T));
+    p.prefetch = !plan.shared_row() && !plan.multipass() && backward_prefetches(plan.vec, sizeof(acc_t), gated) &&
+                 prefetch_offset + ring <= limits.max_shared_per_block;
+    if (p.prefetch) {
+      p.prefetch_offset = prefetch_offset;
+      smem = prefetch_offset + ring;
+    }
     size_cluster_grid(kernel, plan, ceil_div(plan.blocks, p.partial_cluster), smem, limits, cluster);
     group_units(plan, a.rows, k.groups);
     // One partial row per cluster (a block without one) and gradient; the multi-pass kernel accumulates into them,

@@ -144,8 +144,10 @@ TLN_DEVICE const T* cluster_shared(const T* p, unsigned rank) {
 // block's shared memory, completes a phase when the arrivals given at init have come and the bytes they expect have
 // landed; its wait takes the parity of the phase to wait for. store_async_pair stores two values into block `rank`'s
 // shared memory at the location `p` names in this block's, completing their bytes on that block's mbarrier `bar`.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__)
 TLN_DEVICE unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 TLN_DEVICE unsigned peer_shared_address(const void* p, unsigned rank) {
   unsigned address;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"(shared_address(p)), "r"(rank));
@@ -216,6 +218,35 @@ TLN_DEVICE void bulk_load_shared(void* dst, const T* src, unsigned bytes, uint64
                    shared_address(dst)),
                "l"(src), "r"(bytes), "r"(shared_address(bar))
                : "memory");
+#else
+  __trap();
+#endif
+}
+
+// cp.async (sm_80): 16 bytes of global memory at `src` (16-byte aligned) copied into this block's shared memory at
+// `dst`. The copy joins the thread's open group;
+// copy_async_commit closes it, copy_async_wait<N> waits until at most the N most recent closed groups are in flight,
+// after which the issuing thread sees their bytes (other threads: after a block barrier that follows the wait).
+TLN_DEVICE void copy_async_16(void* dst, const void* src, Site = TLN_SITE) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)),
+               "l"(__cvta_generic_to_global(src))
+               : "memory");
+#else
+  __trap();
+#endif
+}
+TLN_DEVICE void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+template <int N>
+TLN_DEVICE void copy_async_wait(Site = TLN_SITE) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #else
   __trap();
 #endif
@@ -443,6 +474,15 @@ void store_async_pair(V* p, V a, V b, unsigned rank, uint64_t* bar, Site site = 
 template <typename T>
 void bulk_load_shared(void* dst, const T* src, unsigned bytes, uint64_t* bar, Site site = TLN_SITE) {
   emu::bulk_load_shared(dst, src, bytes, bar, {site.file_name(), site.line()});
+}
+
+inline void copy_async_16(void* dst, const void* src, Site site = TLN_SITE) {
+  emu::copy_async(dst, src, 16, {site.file_name(), site.line()});
+}
+inline void copy_async_commit() { emu::copy_async_commit(); }
+template <int N>
+void copy_async_wait(Site site = TLN_SITE) {
+  emu::copy_async_wait(N, {site.file_name(), site.line()});
 }
 
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }

@@ -30,6 +30,13 @@ struct SharedVectors {
     }
   }
 
+  // Vector c copied from global memory at `src` by cp.async (the calling thread's open group).
+  TLN_DEVICE void copy_async(int64_t c, const E* src, dev::Site site = TLN_SITE) const {
+    static_assert(sizeof(Piece) == kVectorBytes, "cp.async moves 16-byte pieces");
+#pragma unroll
+    for (int h = 0; h < VEC / kPieceElems; ++h) dev::copy_async_16(&pieces[h * count + c], src + h * kPieceElems, site);
+  }
+
   template <typename acc_t>
   TLN_DEVICE void load(int64_t c, acc_t (&out)[VEC], dev::Site site = TLN_SITE) const {
 #pragma unroll

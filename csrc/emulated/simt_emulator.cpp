@@ -426,6 +426,7 @@ struct SharedAccess {
   bool valid = false;
   const void* mbarrier = nullptr;  // an st.async's bytes: visible after a wait for phase `phase` of this mbarrier
   uint64_t phase = 0;
+  bool copy_in_flight = false;  // a cp.async's bytes before the issuer's wait: off limits to every thread
 };
 
 // What a thread knows to be ordered before it through mbarriers: per block rank of the cluster, the block generation
@@ -448,6 +449,14 @@ struct ByteShadow {
   SharedAccess write, reads[2];
 };
 
+// A thread's cp.async copies not yet waited for: the open group's [address, bytes) ranges, then the closed groups',
+// oldest first.
+struct AsyncCopies {
+  using Ranges = std::vector<std::pair<uintptr_t, size_t>>;
+  Ranges open;
+  std::vector<Ranges> closed;
+};
+
 const bool racecheck = [] {
   const char* on = std::getenv("TORCH_LN_RACECHECK");
   return on != nullptr && std::string(on) != "0";
@@ -462,7 +471,8 @@ class BlockState {
         smem(smem_bytes > 0 ? static_cast<unsigned char*>(::operator new(smem_bytes, kSharedAlignment)) : nullptr),
         smem_bytes(smem_bytes),
         traces(threads),
-        orders(threads) {}
+        orders(threads),
+        copies(threads) {}
 
   // Groups each warp's accesses into requests and counts them; clears the traces.
   void account(LaunchTraffic& t, double bytes_per_block_slot) {
@@ -499,6 +509,7 @@ class BlockState {
   std::vector<ByteShadow> shadow;  // the race check's record of each dynamic shared byte (allocated on first use)
   std::unordered_map<uintptr_t, Mbarrier> mbarriers;  // by address, those the current block set up
   std::vector<ThreadOrder> orders;                    // by thread: the race check's mbarrier orderings
+  std::vector<AsyncCopies> copies;                    // by thread: its cp.async copies in flight
 };
 
 // The blocks of one cluster, run together: their states and the barrier over all their threads (a launch without
@@ -579,7 +590,11 @@ void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site,
     report_race(std::string(kind) + " at " + where(t, site) + " after thread " + std::to_string(other.tid) +
                 " of block rank " + std::to_string(other.rank));
   };
-  if (!before_barrier(byte.write, t, store)) race(store ? "write after write" : "read after write", byte.write);
+  if (byte.write.copy_in_flight) {
+    race(store ? "write before the wait for a cp.async" : "read before the wait for a cp.async", byte.write);
+  } else if (!before_barrier(byte.write, t, store)) {
+    race(store ? "write after write" : "read after write", byte.write);
+  }
   if (store) {
     for (const SharedAccess& read : byte.reads) {
       if (!before_barrier(read, t, store)) race("write after read", read);
@@ -596,16 +611,27 @@ void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site,
   }
 }
 
+// The race check's record of byte `i` of [address, address + bytes): in the dynamic shared memory of the calling
+// thread's block or of a cluster peer, else in a static shared array.
+class ShadowBytes {
+ public:
+  ShadowBytes(const ThreadContext& t, uintptr_t address, size_t bytes) : address_(address) {
+    if (BlockState* block = owner_of(t, address, bytes)) {
+      if (block->shadow.empty()) block->shadow.resize(block->smem_bytes);
+      dynamic_ = &block->shadow[address - reinterpret_cast<uintptr_t>(block->smem.get())];
+    }
+  }
+  ByteShadow& operator[](size_t i) const { return dynamic_ != nullptr ? dynamic_[i] : static_shadow[address_ + i]; }
+
+ private:
+  uintptr_t address_;
+  ByteShadow* dynamic_ = nullptr;
+};
+
 void check_shared_access(const ThreadContext& t, uintptr_t address, size_t bytes, bool store, Site site,
                          const void* mbarrier = nullptr, uint64_t phase = 0) {
-  ByteShadow* shadow = nullptr;
-  if (BlockState* block = owner_of(t, address, bytes)) {  // the block's own dynamic shared memory, or a cluster peer's
-    if (block->shadow.empty()) block->shadow.resize(block->smem_bytes);
-    shadow = &block->shadow[address - reinterpret_cast<uintptr_t>(block->smem.get())];
-  }
-  for (size_t i = 0; i < bytes; ++i) {
-    check_byte(shadow != nullptr ? shadow[i] : static_shadow[address + i], t, store, site, mbarrier, phase);
-  }
+  const ShadowBytes shadow(t, address, bytes);
+  for (size_t i = 0; i < bytes; ++i) check_byte(shadow[i], t, store, site, mbarrier, phase);
 }
 
 }  // namespace
@@ -789,6 +815,47 @@ void bulk_load_shared(void* dst, const void* src, size_t bytes, void* bar, Site 
   copy_completing(t, t.block, dst, src, bytes, bar, site);
 }
 
+void copy_async(void* dst, const void* src, size_t bytes, Site site) {
+  ThreadContext& t = this_thread();
+  const auto to = reinterpret_cast<uintptr_t>(dst), from = reinterpret_cast<uintptr_t>(src);
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || to % bytes != 0 || from % bytes != 0) {
+    fail("copy_async: 4, 8 or 16 bytes at addresses aligned to them; got " + std::to_string(bytes) +
+         " bytes, dst % 16 = " + std::to_string(to % 16) + ", src % 16 = " + std::to_string(from % 16));
+  }
+  if (owner_of(t, to, bytes) != t.block) fail("copy_async: dst is not in the block's dynamic shared memory");
+  record_access(Space::Global, src, bytes, false, site);
+  std::memcpy(dst, src, bytes);
+  if (racecheck) {
+    check_shared_access(t, to, bytes, true, site);
+    const ShadowBytes shadow(t, to, bytes);
+    for (size_t i = 0; i < bytes; ++i) shadow[i].write.copy_in_flight = true;
+  }
+  t.block->copies[t.linear_tid].open.emplace_back(to, bytes);
+}
+
+void copy_async_commit() {
+  ThreadContext& t = this_thread();
+  AsyncCopies& copies = t.block->copies[t.linear_tid];
+  copies.closed.push_back(std::move(copies.open));
+  copies.open.clear();
+}
+
+void copy_async_wait(unsigned pending, Site site) {
+  ThreadContext& t = this_thread();
+  AsyncCopies& copies = t.block->copies[t.linear_tid];
+  const size_t done = copies.closed.size() > pending ? copies.closed.size() - pending : 0;
+  if (racecheck) {  // the waited copies' bytes: the issuer's stores, made now
+    for (size_t g = 0; g < done; ++g) {
+      for (const auto& [address, bytes] : copies.closed[g]) {
+        const ShadowBytes shadow(t, address, bytes);
+        for (size_t i = 0; i < bytes; ++i) shadow[i].write.copy_in_flight = false;
+        check_shared_access(t, address, bytes, true, site);
+      }
+    }
+  }
+  copies.closed.erase(copies.closed.begin(), copies.closed.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
 void set_counting(bool on) {
   const std::lock_guard<std::mutex> serialize(launch_mutex);
   counting = on;
@@ -881,9 +948,15 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
       if (tid == 0 && own.smem) std::memset(own.smem.get(), 0xFF, own.smem_bytes);
       if (tid == 0) own.mbarriers.clear();
       own.orders[tid] = ThreadOrder{};
+      own.copies[tid] = AsyncCopies{};
       ctx.awaiting_prior_grid = dependent;  // every block of a dependent launch waits for itself
       state.barrier.arrive_and_wait("block start");
       body();
+      const AsyncCopies& copies = own.copies[tid];
+      if (!copies.open.empty() || std::any_of(copies.closed.begin(), copies.closed.end(),
+                                              [](const AsyncCopies::Ranges& group) { return !group.empty(); })) {
+        fail("thread " + std::to_string(tid) + " ended its block with cp.async copies it never waited for");
+      }
       state.barrier.arrive_and_wait("block end");
       // The other threads wait at the next block start (or the join) meanwhile.
       if (rank == 0 && tid == 0 && counting) {

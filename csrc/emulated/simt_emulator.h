@@ -89,6 +89,16 @@ void store_async(void* dst, const void* src, size_t bytes, unsigned rank, void* 
 // issuing thread's global loads, 128 bytes at a time (no shared-memory requests: the copy engine writes them).
 void bulk_load_shared(void* dst, const void* src, size_t bytes, void* bar, Site site);
 
+// cp.async (sm_80): `bytes` (4, 8 or 16, both addresses aligned to it) of global memory at `src` copied to `dst` in
+// the calling block's dynamic shared memory. The copy joins the thread's open group; copy_async_commit closes the
+// group, and copy_async_wait(n) returns once at most the n most recent closed groups are still in flight. The bytes
+// land at once; the race check takes any access to them, by any thread, the issuer's included, as a race until the
+// issuer's wait covers their group, and after it as the issuer's store. Counted as the issuer's global load. A thread
+// that ends its block with copies not waited for aborts.
+void copy_async(void* dst, const void* src, size_t bytes, Site site);
+void copy_async_commit();
+void copy_async_wait(unsigned pending, Site site);
+
 // Runs `body` as a grid of `grid` blocks of `block` threads, in clusters of
 // `cluster` blocks along x (grid.x a multiple of it). Launches are serialized;
 // the threads of a block must be a multiple of the warp size. `kernel` names

@@ -151,6 +151,50 @@ int main(int argc, char** argv) {
     std::printf("total %ld\n", total);
     return 0;
   }
+  if (std::strncmp(check, "copy", 4) == 0) {
+    // Each thread streams its own 16 bytes of every chunk through a two-stage ring of its own slots by cp.async, as
+    // the register backward prefetches its next tile (csrc/cuda/backward.cuh): chunk i + 1 copied into stage
+    // (i + 1) % 2 as one group, then a wait for all but that group, then chunk i read. Variants: "copy_early_read"
+    // reads before the wait, "copy_neighbour" reads the next thread's slot (no barrier), "copy_unwaited" leaves the
+    // last group in flight, "copy_misaligned" copies from off 16 bytes.
+    constexpr unsigned kChunks = 5, kThreads = 64;
+    alignas(16) static long data[kChunks * kThreads * 2 + 1];
+    for (unsigned i = 0; i < kChunks * kThreads * 2; ++i) data[i] = i + 1;
+    const bool early = std::strcmp(check, "copy_early_read") == 0;
+    const unsigned neighbour = std::strcmp(check, "copy_neighbour") == 0 ? 1 : 0;
+    const bool unwaited = std::strcmp(check, "copy_unwaited") == 0;
+    const unsigned offset = std::strcmp(check, "copy_misaligned") == 0 ? 1 : 0;
+    long total = 0;
+    const auto body = [&] {
+      auto* slots = reinterpret_cast<long (*)[kThreads][2]>(dynamic_shared_memory());  // [stage][thread][2 longs]
+      const unsigned tid = this_thread().linear_tid;
+      const Site site{__FILE__, __LINE__};
+      const auto issue = [&](unsigned i) {
+        copy_async(slots[i % 2][tid], data + (i * kThreads + tid) * 2 + offset, 16, site);
+        copy_async_commit();
+      };
+      issue(0);
+      long sum = 0;
+      for (unsigned i = 0; i < kChunks; ++i) {
+        if (i + 1 < kChunks) issue(i + 1);
+        if (!early && !(unwaited && i + 1 == kChunks)) copy_async_wait(i + 1 < kChunks ? 1 : 0, site);
+        for (const long& value : slots[i % 2][(tid + neighbour) % kThreads]) {
+          record_access(Space::Shared, &value, sizeof(value), false, site);
+          sum += value;
+        }
+        if (early) copy_async_wait(i + 1 < kChunks ? 1 : 0, site);
+      }
+      if (tid == 33) total += sum;
+    };
+    try {
+      launch({3}, {kThreads}, 2 * kThreads * 2 * sizeof(long), nullptr, body);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+    std::printf("total %ld\n", total);
+    return 0;
+  }
   long sum = 0;
   const auto body = [&] {
     const unsigned tid = this_thread().linear_tid;

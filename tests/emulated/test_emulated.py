@@ -907,6 +907,87 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
             _check_against_torch(kind, x, weight, bias, dy)
 
 
+# The register backward's prefetch of its next tile (TilePrefetch): tiles of each shape the register kernels take.
+BACKWARD_PREFETCH_CASES = [
+    (torch.float32, 1024),  # 4-element vectors: tiles of 8 rows of 64 threads, 4 vectors a thread
+    (torch.bfloat16, 4096),  # 8-element vectors: tiles of 2 rows of 256 threads, 2 vectors a thread
+    (torch.float16, 200),  # short rows: 25 vectors over 16 threads a row, 7 of their 32 slots beyond the row (zeros)
+    (torch.float32, 4100),  # 1025 vectors over 512 threads of 4: most slots beyond the row
+]
+
+
+def _backward_launch_of(run):
+    """run()'s outputs and its backward row kernel's launch record."""
+    ops.set_counting(True)
+    try:
+        out = run()
+    finally:
+        ops.set_counting(False)
+    return out, next(r for r in json.loads(ops.take_launch_log()) if "norm_backward" in r["kernel"])
+
+
+def _prefetched_and_not(run, ring_bytes):
+    """run() on a device where one block of 512 threads walks every tile (no clusters), with the register backward's
+    prefetch and on the same device with one byte too few of shared memory for its ring (`ring_bytes`): both
+    outputs."""
+    with _device(sms=1):
+        ops.set_device(1, 512, None, 1)
+        prefetched, launch = _backward_launch_of(run)
+        assert "norm_backward_kernel" in launch["kernel"] and launch["grid"] == 1
+        ops.set_device(1, 512, launch["dynamic_smem"] - 1, 1)
+        unfetched, plain = _backward_launch_of(run)
+    # The ring (two stages of each thread's vectors of x and dy) after the rest, 16-byte aligned.
+    assert 0 <= launch["dynamic_smem"] - plain["dynamic_smem"] - ring_bytes < 16
+    return prefetched, unfetched
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True)])
+@pytest.mark.parametrize("dtype,cols", BACKWARD_PREFETCH_CASES)
+def test_backward_prefetch_walks_tiles(kind, mask, dtype, cols):
+    # Regression guard for the register backward's prefetch: one block walks 2 tiles and a partial third, each
+    # thread reading its vectors of x and dy from the copies it made a tile ahead. Every output bitwise as without the
+    # prefetch (a device with no room for the ring), dx of a row bitwise as the row alone, within the accuracy rule.
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("bwd", 1, cols, dtype.itemsize, True, 0, 2)
+    rows = 2 * rows_per_block + 3
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    ring = 2 * items * threads_per_row * rows_per_block * vec * 2 * dtype.itemsize
+
+    def backward(rows_x=x, rows_dy=dy):
+        return _emulated(kind, rows_x, weight, bias, rows_dy, 1e-5, mask)[0][1:]
+
+    prefetched, unfetched = _prefetched_and_not(backward, ring)
+    for p, u in zip(prefetched, unfetched):
+        assert (p is None and u is None) or torch.equal(p, u)
+    with _device(sms=1):
+        ops.set_device(1, 512, None, 1)
+        for r in (0, rows_per_block, rows - 1):
+            alone = backward(x[r : r + 1].clone(), dy[r : r + 1].clone())
+            assert (prefetched[0] is None and alone[0] is None) or torch.equal(prefetched[0][r : r + 1], alone[0])
+        if mask == (True, True, True):
+            _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,cols", [(torch.bfloat16, 4096), (torch.float32, 1024)])
+def test_backward_prefetch_residual_stream(kind, dtype, cols):
+    # The fused add's backward prefetches its x, the residual stream (float32 beside bfloat16 inputs: 32-byte
+    # vectors, two cp.async pieces each), bitwise as without the prefetch.
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("bwd", 1, cols, dtype.itemsize, True, 0, 2)
+    rows = 2 * rows_per_block + 3
+    x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)).to(dtype)
+    dh_out = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)).to(torch.float32)
+    ring = 2 * items * threads_per_row * rows_per_block * vec * (4 + dtype.itemsize)
+
+    def add_backward():
+        return _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5, torch.float32)[2:]
+
+    prefetched, unfetched = _prefetched_and_not(add_backward, ring)
+    for p, u in zip(prefetched, unfetched):
+        assert (p is None and u is None) or torch.equal(p, u)
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("cols", [7, 64, 2048, 9000])
 def test_batch_invariant(kind, cols):

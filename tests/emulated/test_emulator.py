@@ -2,8 +2,8 @@
 a kernel that would hang a GPU (a barrier some threads never reach) or diverge at barriers fails at once with a
 message instead of hanging, a dependent launch that would read its predecessor's output too early fails, and the
 race check (TORCH_LN_RACECHECK=1) reports shared memory that two threads access with no barrier between; mbarriers
-and st.async (the cluster reductions) exchange values, bulk copies stream through a ring of stages, and their misuse
-fails or is reported as a race."""
+and st.async (the cluster reductions) exchange values, bulk copies stream through a ring of stages, each thread's
+cp.async copies through its own slots, and their misuse fails or is reported as a race."""
 
 from __future__ import annotations
 
@@ -135,4 +135,33 @@ def test_mbarrier_race_check(checks, check, message):
 )
 def test_mbarrier_misuse_fails_with_a_message(checks, check, message):
     result = _run(checks, check, TORCH_LN_RACECHECK="1")
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+# Three blocks; thread 33 of each adds its two values of chunks 0..4: (i * 64 + 33) * 2 + 1 and + 2 of chunk i.
+COPY_TOTAL = 3 * sum((i * 64 + 33) * 4 + 3 for i in range(5))
+
+
+@pytest.mark.parametrize("racecheck", ["0", "1"])
+def test_copy_async_ring(checks, racecheck):
+    # Each thread's own slots, refilled a chunk ahead: its wait orders its reads, no barrier needed.
+    result = _run(checks, "copy", TORCH_LN_RACECHECK=racecheck)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["total", str(COPY_TOTAL)]
+
+
+@pytest.mark.parametrize(
+    "check,message,racecheck",
+    [
+        # A copy's bytes are off limits, to its issuer too, until its wait covers their group.
+        ("copy_early_read", "read before the wait for a cp.async", "1"),
+        # Another thread's slot: its copies are ordered for it alone (a barrier after its wait would order them).
+        ("copy_neighbour", "shared-memory race", "1"),
+        # On a GPU the copy would land in shared memory after the block ended, maybe in the next block's.
+        ("copy_unwaited", "ended its block with cp.async copies it never waited for", "0"),
+        ("copy_misaligned", "copy_async: 4, 8 or 16 bytes at addresses aligned to them", "0"),
+    ],
+)
+def test_copy_async_misuse(checks, check, message, racecheck):
+    result = _run(checks, check, TORCH_LN_RACECHECK=racecheck)
     assert result.returncode != 0 and message in result.stderr, result.stderr
