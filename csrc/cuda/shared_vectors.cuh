@@ -74,7 +74,7 @@ TLN_DEVICE RowSlice row_slice(int64_t row_vectors, int64_t slice_vectors, int cl
 // each completing on an mbarrier of its own: a kernel's passes over a row wait for one chunk at a time, and thread 0
 // refills a chunk with the block's next row as soon as the block's last pass over the chunk has read it (a block
 // barrier between), so the next row's loads are in flight during this row's reductions and stores, with no registers
-// held for them. A slice may be several rows of the same vectors (the backward's x and dy: streams), on one mbarrier.
+// held for them. A slice may be several arrays of the same vectors (the backward's x and dy: streams), on one mbarrier.
 struct SliceRing {
   // Where a stream's vectors go (its slice in shared memory) and come from (the row's slice in global memory).
   struct Stream {
