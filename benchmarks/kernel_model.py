@@ -308,14 +308,30 @@ def traffic_coefficients(op, mode, D, M, dtype, plan, concurrent_blocks, fused=F
     return out
 
 
-def prefetch_ring_bytes(mode: str, plan: dict, elem: int) -> int:
-    """The register backward's prefetch ring (TilePrefetch, backward_launch.h): two stages of each thread's vectors
-    of x (the fused add's residual stream, in x's dtype as the model runs it) and dy, for vectorized rows with float32
-    sums (backward_prefetches); 0 elsewhere. (The launcher drops it where it would not fit; at the model's D it
-    fits.)"""
+def _before_ring(mode: str, plan: dict, D: int) -> int:
+    """The register kernels' shared memory ahead of the backward's prefetch ring: two float32 per warp for the row
+    sums of rows over 32 threads; the backward with several rows a block (or a cluster of blocks) adds their partial
+    rows on chip."""
+    smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
+    if mode == "bwd" and (plan["rows_per_block"] > 1 or plan["partial_cluster"] > 1):
+        smem = max(smem, plan["rows_per_block"] * D * 4)
+    return smem
+
+
+def prefetch_stages(mode: str, plan: dict, D: int, elem: int) -> int:
+    """The register backward's prefetch ring (TilePrefetch, backward_launch.h): its stages, 3 where the block's
+    shared memory holds them after the rest, else 2 (0: no ring), for vectorized rows with float32 sums
+    (backward_prefetches)."""
     if mode != "bwd" or plan["path"] != "registers" or plan["vec"] == 1 or elem == 8:
         return 0
-    return 2 * plan["items"] * plan["block_threads"] * plan["vec"] * 2 * elem
+    room = H200.max_shared_per_block - -(-_before_ring(mode, plan, D) // 16) * 16
+    return next((s for s in (3, 2) if s * prefetch_stage_bytes(plan, elem) <= room), 0)
+
+
+def prefetch_stage_bytes(plan: dict, elem: int) -> int:
+    """A stage of the ring: each thread's vectors of x (the fused add's residual stream, in x's dtype as the model
+    runs it) and dy, and its row's mean and rstd (float32)."""
+    return plan["block_threads"] * (plan["items"] * plan["vec"] * 2 * elem + 2 * 4)
 
 
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
@@ -326,13 +342,10 @@ def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: b
     the row, and of the weight and bias where they fit)."""
     if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
-    smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
-    if mode == "bwd" and (plan["rows_per_block"] > 1 or plan["partial_cluster"] > 1):
-        smem = max(smem, plan["rows_per_block"] * D * 4)
-    ring = prefetch_ring_bytes(mode, plan, elem)
-    if ring:
-        smem = -(-smem // 16) * 16 + ring
-        assert smem <= H200.max_shared_per_block, f"D={D}: the prefetch ring would not fit"
+    smem = _before_ring(mode, plan, D)
+    stages = prefetch_stages(mode, plan, D, elem)
+    if stages:
+        smem = -(-smem // 16) * 16 + stages * prefetch_stage_bytes(plan, elem)
     if staged and mode == "fwd" and plan["path"] == "registers":
         smem += -(-parameter_count(op) * D * elem // 16) * 16
     return smem
@@ -366,7 +379,7 @@ def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
     return mode == "bwd" or plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
 
 
-def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool) -> float:
+def prefetched_share(mode: str, plan: dict, D: int, elem: int, bursts: int, fused: bool) -> float:
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
     forward register kernels whose next row, as stored, is at most PREFETCH_BYTES a thread (prefetches_next_row);
@@ -378,7 +391,7 @@ def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool)
         return 0.0
     if bulk_loads(mode, plan, elem, fused):
         return (BULK_STAGES - 1) / BULK_STAGES
-    if prefetch_ring_bytes(mode, plan, elem):
+    if plan["path"] == "registers" and prefetch_stages(mode, plan, D, elem):
         return 1.0
     if mode != "fwd":
         return 0.0
@@ -438,8 +451,9 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             params = parameter_count(op)
             out["shared_requests"] += params * slots * _pieces(vec, elem)
             out["shared_bytes"] = params * D * elem
-        elif prefetch_ring_bytes(mode, plan, elem):  # x and dy read from the prefetch ring (copied by cp.async)
-            out["shared_requests"] += slots * 2 * _pieces(vec, elem)
+        elif prefetch_stages(mode, plan, D, elem):  # the row read from the prefetch ring (copied there by cp.async)
+            # x and dy; the mean (LayerNorm) and rstd, a scalar request per warp of the row
+            out["shared_requests"] += slots * 2 * _pieces(vec, elem) + (2 if ln else 1) * tpr / 32
             out["shared_bytes"] = 2 * D * elem
         # The fused add: the forward reads the residual and the backward the gradient of residual_out vector by
         # vector, each load in its own branch before its use (SASS: LDG, use, STG per vector).
@@ -745,7 +759,9 @@ def features(facts: dict) -> dict:
         "dsmem_ranks": s["dsmem_ranks"],
         "cluster_exchanges": s["cluster_exchanges"],
         "shared_kib": shared_sm / 1024,
-        "prefetch": prefetched_share(mode, plan, elem, s["bursts"], facts["fused"]),
+        "prefetch": prefetched_share(mode, plan, D, elem, s["bursts"], facts["fused"]),
+        # the bursts in flight during a period: the register backward's ring of 3 stages holds two tiles ahead
+        "prefetch_ahead": max(1, prefetch_stages(mode, plan, D, elem) - 1),
     }
     rows_per_step = u["units"] * u["rows_per_unit"]
     steps = math.ceil(M / rows_per_step)
@@ -771,15 +787,19 @@ def features(facts: dict) -> dict:
 def period_us(f: dict, us_per: dict) -> float:
     """A unit's period: the fitted constants and the assumed one times their features, summed; for a unit that
     prefetches (f["prefetch"]: the share of its bursts issued during the row before), those bursts (their latency,
-    and the unit's own loads) are in flight during the rest of the period, which is then the longer of the two.
+    and the unit's own loads) are in flight during the rest of the period, which is then the longer of the two; with
+    f["prefetch_ahead"] rows in flight (the backward's ring of 3 stages: 2), a burst's latency spans that many
+    periods.
     (Not calibrated: the measured kernels did not prefetch.)"""
     # (the calibration cells' stored features predate cluster_exchanges: their kernels had none)
     terms = {k: us_per[k] * f[k] for k in FEATURES} | {k: v * f.get(k, 0.0) for k, v in ASSUMED_US_PER.items()}
     share = f.get("prefetch", 0)
     if not share:
         return sum(terms.values())
+    # With `prefetch_ahead` bursts in flight (a ring holding that many rows ahead), each needs 1 / ahead of a period.
     hidden = share * terms["latency"] + terms["load_kib"]
-    return max(hidden, sum(terms.values()) - hidden)
+    in_flight = share * terms["latency"] / f.get("prefetch_ahead", 1) + terms["load_kib"]
+    return max(in_flight, sum(terms.values()) - hidden)
 
 
 def predict(facts: dict, us_per: dict | None = None) -> dict:

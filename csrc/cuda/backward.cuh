@@ -55,9 +55,9 @@ struct BackwardParams {
   bool row_on_chip = false;
   bool staged_weight = false;
   int bulk_stages = 0;  // the shared-memory kernel: its slices of x and dy loaded by bulk copies in this many chunks
-  // The register kernel's prefetch of its next tile (TilePrefetch): whether it runs, and where in the dynamic shared
-  // memory its ring starts (bytes, after the row reductions' and partial rows' room).
-  bool prefetch = false;
+  // The register kernel's prefetch of its next tiles (TilePrefetch): its ring's stages (0: none; 2 or 3), and where
+  // in the dynamic shared memory the ring starts (bytes, after the row reductions' and partial rows' room).
+  int prefetch_stages = 0;
   size_t prefetch_offset = 0;
   // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
   // kernels', and the shared-memory kernel's where a block holds whole rows.
@@ -300,40 +300,61 @@ TLN_DEVICE TileRow<acc_t> tile_row(const BackwardParams<T, W, acc_t, R>& p, cons
           active ? dev::load_global(&p.rstd[row]) : acc_t(0)};
 }
 
-// The register backward's next tile, prefetched: each thread copies its vectors of x and dy for its row of the next
-// tile into its own slots of a two-stage ring in shared memory by cp.async while it works on this tile, and waits
-// for them (cp.async.wait_group) when it gets there, so a row's loads are not a round trip to DRAM after the last
-// row's stores. A thread reads only what it copied itself: no barrier, no mbarrier. Slot (stage, k) of a thread is
-// vector (stage * ITEMS + k) * threads + thread of each stream (consecutive 16-byte pieces across a warp).
+// The register backward's next tiles, prefetched: each thread copies its row's statistics and its vectors of x and
+// dy for the tiles ahead into its own slots of a ring of `stages` stages in shared memory by cp.async (one group a
+// tile) while it works on this tile, and waits for this tile's group (cp.async.wait_group stages - 1) when it gets
+// there, so a row's loads are not a round trip to DRAM after the last row's stores. A thread reads only what it
+// copied itself: no barrier, no mbarrier. Slot (stage, k) of a thread is vector (stage * ITEMS + k) * threads +
+// thread of each stream (consecutive 16-byte pieces across a warp); its statistics, acc_t (stage * 2 + s) * threads +
+// thread.
 template <typename T, typename R, int VEC, int ITEMS>
 struct TilePrefetch {
   SharedVectors<R, VEC> x;
   SharedVectors<T, VEC> dy;
+  float* stats;
   int64_t threads, thread;
 
-  TLN_DEVICE TilePrefetch(unsigned char* base, int64_t block_threads)
-      : x{reinterpret_cast<typename SharedVectors<R, VEC>::Piece*>(base), 2 * ITEMS * block_threads},
+  TLN_DEVICE TilePrefetch(unsigned char* base, int stages, int64_t block_threads)
+      : x{reinterpret_cast<typename SharedVectors<R, VEC>::Piece*>(base), stages * ITEMS * block_threads},
         dy{reinterpret_cast<typename SharedVectors<T, VEC>::Piece*>(
-               base + SharedVectors<R, VEC>::bytes(2 * ITEMS * block_threads)),
-           2 * ITEMS * block_threads},
+               base + SharedVectors<R, VEC>::bytes(stages * ITEMS * block_threads)),
+           stages * ITEMS * block_threads},
+        stats(reinterpret_cast<float*>(base + SharedVectors<R, VEC>::bytes(stages * ITEMS * block_threads) +
+                                       SharedVectors<T, VEC>::bytes(stages * ITEMS * block_threads))),
         threads(block_threads),
         thread(dev::thread_x()) {}
 
   TLN_DEVICE int64_t slot(int stage, int k) const { return (int64_t{stage} * ITEMS + k) * threads + thread; }
+  TLN_DEVICE float* stat(int stage, int s) const { return &stats[(int64_t{stage} * 2 + s) * threads + thread]; }
 
-  // Copies the thread's vectors of `at`'s row into `stage` (those in the row: the kernel reads no others).
-  template <typename W, typename acc_t>
-  TLN_DEVICE void copy(const BackwardParams<T, W, acc_t, R>& p, const RowLayout& layout, const TileRow<acc_t>& at,
-                       int stage) const {
-    const R* x_row = p.x + p.x_offset(at.row);
-    const T* dy_row = p.dy + at.row * p.cols;
+  // Copies the thread's row of `tile` into `stage`: its mean (LayerNorm) and rstd, and its vectors in the row (the
+  // kernel reads no others).
+  template <typename W>
+  TLN_DEVICE void copy(const BackwardParams<T, W, float, R>& p, const GroupWalk& walk, const RowLayout& layout,
+                       int64_t tile, int64_t batch_rows, int stage) const {
+    if (tile + layout.row_in_block >= batch_rows) return;
+    const int64_t row = walk.row(tile + layout.row_in_block);
+    if (p.mean != nullptr) dev::copy_async_4(stat(stage, 0), &p.mean[row]);
+    dev::copy_async_4(stat(stage, 1), &p.rstd[row]);
+    const R* x_row = p.x + p.x_offset(row);
+    const T* dy_row = p.dy + row * p.cols;
     const int64_t nvec = p.cols / VEC;
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
-      if (!at.active || layout.vector(k) >= nvec) continue;
+      if (layout.vector(k) >= nvec) continue;
       x.copy_async(slot(stage, k), x_row + layout.vector(k) * VEC);
       dy.copy_async(slot(stage, k), dy_row + layout.vector(k) * VEC);
     }
+  }
+
+  // The thread's row of `tile`, its statistics as copied into `stage`.
+  template <typename W>
+  TLN_DEVICE TileRow<float> row(const BackwardParams<T, W, float, R>& p, const GroupWalk& walk, const RowLayout& layout,
+                                int64_t tile, int64_t batch_rows, int stage) const {
+    const bool active = tile + layout.row_in_block < batch_rows;
+    return {active, walk.row(tile + layout.row_in_block),
+            active && p.mean != nullptr ? dev::load_shared(stat(stage, 0)) : 0.0f,
+            active ? dev::load_shared(stat(stage, 1)) : 0.0f};
   }
 };
 
@@ -373,30 +394,32 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
   const int64_t batch_rows = p.rows / walk.groups;
   const int64_t first_tile = walk.unit * layout.rows_per_block, tile_step = walk.units * layout.rows_per_block;
   constexpr bool kPrefetches = backward_prefetches(VEC, sizeof(acc_t), GATED);
-  const bool prefetch = kPrefetches && p.prefetch;
-  const TilePrefetch<T, R, VEC, ITEMS> ring(dev::dynamic_shared<unsigned char>() + p.prefetch_offset,
+  const int stages = kPrefetches ? p.prefetch_stages : 0;
+  const bool prefetch = stages > 0;
+  const TilePrefetch<T, R, VEC, ITEMS> ring(dev::dynamic_shared<unsigned char>() + p.prefetch_offset, stages,
                                             dev::block_dim_x());
-  TileRow<acc_t> next = {};  // the prefetched tile's row
-  if constexpr (kPrefetches) {
-    if (prefetch) {
-      next = tile_row(p, walk, layout, first_tile, batch_rows);
-      ring.copy(p, layout, next, 0);
+  if constexpr (kPrefetches) {  // the tiles ahead of the first, one group each
+    for (int s = 0; s + 1 < stages; ++s) {
+      ring.copy(p, walk, layout, first_tile + s * tile_step, batch_rows, s);
       dev::copy_async_commit();
     }
   }
   int stage = 0;
-  for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage ^= 1) {
-    const TileRow<acc_t> at = prefetch ? next : tile_row(p, walk, layout, tile, batch_rows);
+  for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage = stage + 1 == stages ? 0 : stage + 1) {
+    TileRow<acc_t> at;
     if constexpr (kPrefetches) {
-      if (prefetch) {  // the next tile's copies (an empty group after the last), then this tile's wait
-        if (tile + tile_step < batch_rows) {
-          next = tile_row(p, walk, layout, tile + tile_step, batch_rows);
-          ring.copy(p, layout, next, stage ^ 1);
-        }
+      if (prefetch) {  // the copies of the tile stages - 1 ahead (an empty group past the last), then this tile's wait
+        ring.copy(p, walk, layout, tile + (stages - 1) * tile_step, batch_rows, (stage + stages - 1) % stages);
         dev::copy_async_commit();
-        dev::copy_async_wait<1>();
+        if (stages == 3) {
+          dev::copy_async_wait<2>();
+        } else {
+          dev::copy_async_wait<1>();
+        }
+        at = ring.row(p, walk, layout, tile, batch_rows, stage);
       }
     }
+    if (!prefetch) at = tile_row(p, walk, layout, tile, batch_rows);
     const bool active = at.active;
     const int64_t row = at.row;
     const acc_t mean = at.mean, rstd = at.rstd;

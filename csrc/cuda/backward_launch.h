@@ -106,16 +106,20 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
           std::max(plan.smem_bytes<acc_t>(),
                    plan.rows_per_block > 1 || cluster > 1 ? plan.rows_per_block * k.cols * sizeof(acc_t) : size_t{0});
     }
-    // The register kernel's prefetch ring after that (TilePrefetch: two stages of each thread's vectors of x and dy),
-    // where the block's shared memory has room for it.
+    // The register kernel's prefetch ring after that (TilePrefetch: per stage, each thread's vectors of x and dy and
+    // its row's statistics), of 3 stages (two tiles in flight) or else 2 where the block's shared memory has room.
     const size_t prefetch_offset =
         static_cast<size_t>(ceil_div(static_cast<int64_t>(smem), kVectorBytes)) * kVectorBytes;
-    const size_t ring = 2 * static_cast<size_t>(plan.items) * plan.block_threads() * plan.vec * (sizeof(R) + sizeof(T));
-    p.prefetch = !plan.shared_row() && !plan.multipass() && backward_prefetches(plan.vec, sizeof(acc_t), gated) &&
-                 prefetch_offset + ring <= limits.max_shared_per_block;
-    if (p.prefetch) {
-      p.prefetch_offset = prefetch_offset;
-      smem = prefetch_offset + ring;
+    const size_t stage_bytes = static_cast<size_t>(plan.block_threads()) *
+                               (plan.items * plan.vec * (sizeof(R) + sizeof(T)) + 2 * sizeof(acc_t));
+    if (!plan.shared_row() && !plan.multipass() && backward_prefetches(plan.vec, sizeof(acc_t), gated)) {
+      for (const int stages : {3, 2}) {
+        if (prefetch_offset + stages * stage_bytes > limits.max_shared_per_block) continue;
+        p.prefetch_stages = stages;
+        p.prefetch_offset = prefetch_offset;
+        smem = prefetch_offset + stages * stage_bytes;
+        break;
+      }
     }
     size_cluster_grid(kernel, plan, ceil_div(plan.blocks, p.partial_cluster), smem, limits, cluster);
     group_units(plan, a.rows, k.groups);

@@ -236,6 +236,15 @@ TLN_DEVICE void copy_async_16(void* dst, const void* src, Site = TLN_SITE) {
   __trap();
 #endif
 }
+// The same for 4 bytes (both addresses 4-byte aligned), through L1 (cp.async.ca: the only form for under 16 bytes).
+TLN_DEVICE void copy_async_4(void* dst, const void* src, Site = TLN_SITE) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(dst)), "l"(__cvta_generic_to_global(src))
+               : "memory");
+#else
+  __trap();
+#endif
+}
 TLN_DEVICE void copy_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;" ::: "memory");
@@ -478,6 +487,9 @@ void bulk_load_shared(void* dst, const T* src, unsigned bytes, uint64_t* bar, Si
 
 inline void copy_async_16(void* dst, const void* src, Site site = TLN_SITE) {
   emu::copy_async(dst, src, 16, {site.file_name(), site.line()});
+}
+inline void copy_async_4(void* dst, const void* src, Site site = TLN_SITE) {
+  emu::copy_async(dst, src, 4, {site.file_name(), site.line()});
 }
 inline void copy_async_commit() { emu::copy_async_commit(); }
 template <int N>

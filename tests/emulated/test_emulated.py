@@ -926,39 +926,54 @@ def _backward_launch_of(run):
     return out, next(r for r in json.loads(ops.take_launch_log()) if "norm_backward" in r["kernel"])
 
 
-def _prefetched_and_not(run, ring_bytes):
-    """run() on a device where one block of 512 threads walks every tile (no clusters), with the register backward's
-    prefetch and on the same device with one byte too few of shared memory for its ring (`ring_bytes`): both
-    outputs."""
+def _by_prefetch_stages(run, stage_bytes):
+    """{stages: run()'s outputs} on a device where one block of 512 threads walks every tile (no clusters): with the
+    register backward's prefetch ring as deep as the device's shared memory holds, then each time on a device one byte
+    short of the last launch's (one stage fewer, or no ring: it takes 2 at least). `stage_bytes`: a stage's bytes."""
+    outputs, launches = [], []
     with _device(sms=1):
-        ops.set_device(1, 512, None, 1)
-        prefetched, launch = _backward_launch_of(run)
-        assert "norm_backward_kernel" in launch["kernel"] and launch["grid"] == 1
-        ops.set_device(1, 512, launch["dynamic_smem"] - 1, 1)
-        unfetched, plain = _backward_launch_of(run)
-    # The ring (two stages of each thread's vectors of x and dy) after the rest, 16-byte aligned.
-    assert 0 <= launch["dynamic_smem"] - plain["dynamic_smem"] - ring_bytes < 16
-    return prefetched, unfetched
+        budget = None
+        for _ in range(3):  # 3 stages, 2, none
+            ops.set_device(1, 512, budget, 1)
+            out, launch = _backward_launch_of(run)
+            assert "norm_backward_kernel" in launch["kernel"] and launch["grid"] == 1
+            outputs.append(out)
+            launches.append(launch)
+            budget = launch["dynamic_smem"] - 1
+            if len(launches) > 1 and launches[-2]["dynamic_smem"] - launch["dynamic_smem"] > stage_bytes:
+                break  # the ring is gone (it had 2 stages)
+    # The ring after the rest, 16-byte aligned: whole stages over the last launch's shared memory.
+    plain = launches[-1]["dynamic_smem"]
+    stages = [(launch["dynamic_smem"] - plain) // stage_bytes for launch in launches]
+    for launch, n in zip(launches, stages):
+        assert 0 <= launch["dynamic_smem"] - plain - n * stage_bytes < 16 and n in (0, 2, 3)
+    assert stages[-1] == 0 and len(set(stages)) == len(stages)
+    return dict(zip(stages, outputs))
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, True)])
 @pytest.mark.parametrize("dtype,cols", BACKWARD_PREFETCH_CASES)
 def test_backward_prefetch_walks_tiles(kind, mask, dtype, cols):
-    # Regression guard for the register backward's prefetch: one block walks 2 tiles and a partial third, each
-    # thread reading its vectors of x and dy from the copies it made a tile ahead. Every output bitwise as without the
-    # prefetch (a device with no room for the ring), dx of a row bitwise as the row alone, within the accuracy rule.
+    # Regression guard for the register backward's prefetch: one block walks 3 tiles and a partial fourth, each
+    # thread reading its row's statistics and vectors of x and dy from the copies it made tiles ahead. Every output
+    # bitwise as without the
+    # prefetch (a device with no room for the ring) and as with fewer stages, dx of a row bitwise as the row alone,
+    # within the accuracy rule. bfloat16 rows take 3 stages on an sm_90's 227 KB, float32's 4-vector tier 2.
     vec, items, threads_per_row, rows_per_block, *_ = ops.plan("bwd", 1, cols, dtype.itemsize, True, 0, 2)
-    rows = 2 * rows_per_block + 3
+    rows = 3 * rows_per_block + 3
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
-    ring = 2 * items * threads_per_row * rows_per_block * vec * 2 * dtype.itemsize
+    stage = threads_per_row * rows_per_block * (items * vec * 2 * dtype.itemsize + 2 * 4)
 
     def backward(rows_x=x, rows_dy=dy):
         return _emulated(kind, rows_x, weight, bias, rows_dy, 1e-5, mask)[0][1:]
 
-    prefetched, unfetched = _prefetched_and_not(backward, ring)
-    for p, u in zip(prefetched, unfetched):
-        assert (p is None and u is None) or torch.equal(p, u)
+    by_stages = _by_prefetch_stages(backward, stage)
+    assert set(by_stages) == ({0, 2} if (dtype, cols) == (torch.float32, 1024) else {0, 2, 3})
+    prefetched = by_stages[max(by_stages)]
+    for outputs in by_stages.values():
+        for p, u in zip(prefetched, outputs):
+            assert (p is None and u is None) or torch.equal(p, u)
     with _device(sms=1):
         ops.set_device(1, 512, None, 1)
         for r in (0, rows_per_block, rows - 1):
@@ -974,18 +989,19 @@ def test_backward_prefetch_residual_stream(kind, dtype, cols):
     # The fused add's backward prefetches its x, the residual stream (float32 beside bfloat16 inputs: 32-byte
     # vectors, two cp.async pieces each), bitwise as without the prefetch.
     vec, items, threads_per_row, rows_per_block, *_ = ops.plan("bwd", 1, cols, dtype.itemsize, True, 0, 2)
-    rows = 2 * rows_per_block + 3
+    rows = 3 * rows_per_block + 3
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
     residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)).to(dtype)
     dh_out = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)).to(torch.float32)
-    ring = 2 * items * threads_per_row * rows_per_block * vec * (4 + dtype.itemsize)
+    stage = threads_per_row * rows_per_block * (items * vec * (4 + dtype.itemsize) + 2 * 4)
 
     def add_backward():
         return _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5, torch.float32)[2:]
 
-    prefetched, unfetched = _prefetched_and_not(add_backward, ring)
-    for p, u in zip(prefetched, unfetched):
-        assert (p is None and u is None) or torch.equal(p, u)
+    by_stages = _by_prefetch_stages(add_backward, stage)
+    for outputs in by_stages.values():
+        for p, u in zip(by_stages[max(by_stages)], outputs):
+            assert (p is None and u is None) or torch.equal(p, u)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
