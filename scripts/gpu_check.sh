@@ -27,6 +27,8 @@
 #   device run: bash scripts/gpu_check.sh build tests sanitizer     (timeout_s ~ 590)
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
+# Phase `ab` (named only, after bench; carry gpu_build_experiment too): torch_ln's backward under each A/B switch of
+# scripts/experiment_overrides.diff (the prefetch ring's stages, the bulk loads), ~4 min at most.
 # The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
 # scripts/experiment_overrides.diff (its own diff no longer applies to these kernels; tests/test_gpu_scripts.py checks
 # that this one does): make it here as well,
@@ -182,9 +184,38 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-06-kernel-model-prefetch-backward/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-06-kernel-model-prefetch-stages/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
+  pack
+fi
+
+if wants ab; then
+  # The A/B of the kernels' switches (issue 36: keep each mechanism by measurement): the experiment build
+  # (scripts/build_for_gpu.sh --experiment, carried as gpu_build_experiment/) from a copy of torch_ln, each variant in
+  # its own process, torch_ln alone. Main's choice first, then each switch that undoes one mechanism.
+  step "A/B of the experiment build's switches (bench_layer_norm.py, torch_ln only)"
+  if [[ ! -f gpu_build_experiment/torch_ln/lib/libtorch_ln.so ]]; then
+    note "NO EXPERIMENT BUILD: run scripts/build_for_gpu.sh --experiment, then carry gpu_build_experiment"
+  else
+    rm -rf "$WORK/experiment" && mkdir -p "$WORK/experiment" && cp -r torch_ln "$WORK/experiment/"
+    cp -r gpu_build_experiment/torch_ln/. "$WORK/experiment/torch_ln/"
+    ab() {
+      local name=$1 seconds=$2 D=$3 modes=$4
+      shift 4
+      env "$@" TORCH_LN_ALLOW_STALE=1 PYTHONPATH="$WORK/experiment:$PYTHONPATH" timeout "$seconds" \
+        python3 benchmarks/bench_layer_norm.py --device cuda --quick --providers torch_ln --dtypes float32 bfloat16 \
+        --modes $modes --D $D --out "$WORK/ab/$name" > "$WORK/ab_$name.txt" 2>&1
+      note "ab $name exit: $?"
+    }
+    # The register backward's prefetch ring (TilePrefetch): 3 stages where they fit, at most 2, none.
+    ab ring_main 45 "512 1024 4096 8192" bwd
+    ab ring_2_stages 45 "512 1024 4096 8192" bwd TLN_X_RING_STAGES=2
+    ab ring_none 45 "512 1024 4096 8192" bwd TLN_X_NO_PREFETCH=1
+    # The shared-memory kernels' bulk loads (SliceRing).
+    ab bulk_main 45 "32768 262144" "fwd bwd"
+    ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1
+  fi
   pack
 fi
 

@@ -9,6 +9,7 @@ on the CPU, instead of on the GPU machine.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,3 +39,14 @@ def test_gpu_check_scores_committed_predictions():
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     named = [w for w in script.split() if w.endswith("predictions.csv")]
     assert named and all((ROOT / w).is_file() for w in named), named
+
+
+def test_gpu_check_ab_switches_exist_in_the_experiment_build():
+    # The ab phase times the experiment build under TLN_X_* switches: each must be one the diff defines (a misspelt
+    # or retired switch would time main's kernels twice under two names).
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    switches = set(re.findall(r"\b(TLN_X_[A-Z_]+)=", script))
+    assert {"TLN_X_RING_STAGES", "TLN_X_NO_PREFETCH", "TLN_X_NO_BULK"} <= switches, switches
+    body = DIFF.read_text().split("diff --git ", 1)[1]
+    missing = sorted(s for s in switches if f'getenv("{s}")' not in body)
+    assert not missing, f"gpu_check.sh's ab phase sets switches {DIFF.name} does not read: {missing}"

@@ -224,9 +224,9 @@ TLN_DEVICE void bulk_load_shared(void* dst, const T* src, unsigned bytes, uint64
 }
 
 // cp.async (sm_80): 16 bytes of global memory at `src` (16-byte aligned) copied into this block's shared memory at
-// `dst`. The copy joins the thread's open group;
-// copy_async_commit closes it, copy_async_wait<N> waits until at most the N most recent closed groups are in flight,
-// after which the issuing thread sees their bytes (other threads: after a block barrier that follows the wait).
+// `dst`. The copy joins the thread's open group; copy_async_commit closes it, copy_async_wait<N> waits until at most
+// the N most recent closed groups are in flight, after which the issuing thread sees their bytes (other threads: after
+// a block barrier that follows the wait).
 TLN_DEVICE void copy_async_16(void* dst, const void* src, Site = TLN_SITE) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)),

@@ -581,11 +581,15 @@ void report_race(std::string message) {
   }
 }
 
-// `mbarrier`, `phase`: an st.async's store, completing that phase.
-void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site, const void* mbarrier = nullptr,
-                uint64_t phase = 0) {
-  const SharedAccess now{t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true,
-                         mbarrier,       phase};
+// The calling thread's access now. `mbarrier`, `phase`: an st.async's store, completing that phase; `in_flight`: a
+// cp.async's store, before its wait.
+SharedAccess access_now(const ThreadContext& t, const void* mbarrier = nullptr, uint64_t phase = 0,
+                        bool in_flight = false) {
+  return {t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true, mbarrier,
+          phase,          in_flight};
+}
+
+void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site, const SharedAccess& now) {
   auto race = [&](const char* kind, const SharedAccess& other) {
     report_race(std::string(kind) + " at " + where(t, site) + " after thread " + std::to_string(other.tid) +
                 " of block rank " + std::to_string(other.rank));
@@ -629,9 +633,9 @@ class ShadowBytes {
 };
 
 void check_shared_access(const ThreadContext& t, uintptr_t address, size_t bytes, bool store, Site site,
-                         const void* mbarrier = nullptr, uint64_t phase = 0) {
+                         const SharedAccess& now) {
   const ShadowBytes shadow(t, address, bytes);
-  for (size_t i = 0; i < bytes; ++i) check_byte(shadow[i], t, store, site, mbarrier, phase);
+  for (size_t i = 0; i < bytes; ++i) check_byte(shadow[i], t, store, site, now);
 }
 
 }  // namespace
@@ -708,7 +712,8 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
          std::to_string(site.line));
   }
   if (racecheck && space == Space::Shared) {
-    check_shared_access(this_thread(), reinterpret_cast<uintptr_t>(address), bytes, store, site);
+    check_shared_access(this_thread(), reinterpret_cast<uintptr_t>(address), bytes, store, site,
+                        access_now(this_thread()));
   }
   if (!counting) return;
   ThreadContext& t = this_thread();
@@ -730,7 +735,7 @@ void mbarrier_init(void* bar, unsigned arrivals, Site site) {
   const auto address = reinterpret_cast<uintptr_t>(bar);
   if (owner_of(t, address, kMbarrierBytes) != t.block) fail("mbarrier_init: not in the block's dynamic shared memory");
   if (arrivals == 0) fail("mbarrier_init: a phase needs at least one arrival");
-  if (racecheck) check_shared_access(t, address, kMbarrierBytes, true, site);
+  if (racecheck) check_shared_access(t, address, kMbarrierBytes, true, site, access_now(t));
   Mbarrier& m = t.block->mbarriers[address];
   m = Mbarrier{};
   m.arrivals = m.pending = arrivals;
@@ -739,7 +744,7 @@ void mbarrier_init(void* bar, unsigned arrivals, Site site) {
 void mbarrier_arrive_expect_tx(void* bar, unsigned bytes, Site site) {
   ThreadContext& t = this_thread();
   Mbarrier& m = mbarrier_at(t, bar);
-  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
+  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site, access_now(t));
   pass_on(t, m);
   m.bytes_pending += bytes;
   --m.pending;
@@ -749,7 +754,7 @@ void mbarrier_arrive_expect_tx(void* bar, unsigned bytes, Site site) {
 void mbarrier_wait(void* bar, unsigned parity, Site site) {
   ThreadContext& t = this_thread();
   Mbarrier& m = mbarrier_at(t, bar);  // stays put: the map's elements never move
-  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
+  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site, access_now(t));
   // The phase waited for: the first of that parity the thread has not waited for (the kernels' threads wait for every
   // phase of the mbarriers they use). Where later phases completed before the wait, a parity wait cannot tell them
   // apart (on a GPU it returns for the wrong phase or hangs): the producer ran two phases ahead of this reader.
@@ -780,8 +785,8 @@ void copy_completing(const ThreadContext& t, BlockState* owner, void* dst, const
                      Site site) {
   Mbarrier& m = mbarrier_at(t, bar, owner);
   if (racecheck) {
-    check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site);
-    check_shared_access(t, reinterpret_cast<uintptr_t>(dst), bytes, true, site, bar, m.completed);
+    check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site, access_now(t));
+    check_shared_access(t, reinterpret_cast<uintptr_t>(dst), bytes, true, site, access_now(t, bar, m.completed));
   }
   std::memcpy(dst, src, bytes);
   pass_on(t, m);
@@ -825,11 +830,7 @@ void copy_async(void* dst, const void* src, size_t bytes, Site site) {
   if (owner_of(t, to, bytes) != t.block) fail("copy_async: dst is not in the block's dynamic shared memory");
   record_access(Space::Global, src, bytes, false, site);
   std::memcpy(dst, src, bytes);
-  if (racecheck) {
-    check_shared_access(t, to, bytes, true, site);
-    const ShadowBytes shadow(t, to, bytes);
-    for (size_t i = 0; i < bytes; ++i) shadow[i].write.copy_in_flight = true;
-  }
+  if (racecheck) check_shared_access(t, to, bytes, true, site, access_now(t, nullptr, 0, true));
   t.block->copies[t.linear_tid].open.emplace_back(to, bytes);
 }
 
@@ -844,12 +845,11 @@ void copy_async_wait(unsigned pending, Site site) {
   ThreadContext& t = this_thread();
   AsyncCopies& copies = t.block->copies[t.linear_tid];
   const size_t done = copies.closed.size() > pending ? copies.closed.size() - pending : 0;
-  if (racecheck) {  // the waited copies' bytes: the issuer's stores, made now
+  if (racecheck) {  // the waited copies' bytes: the issuer's stores, made now (any access since the copy was a race)
     for (size_t g = 0; g < done; ++g) {
       for (const auto& [address, bytes] : copies.closed[g]) {
         const ShadowBytes shadow(t, address, bytes);
-        for (size_t i = 0; i < bytes; ++i) shadow[i].write.copy_in_flight = false;
-        check_shared_access(t, address, bytes, true, site);
+        for (size_t i = 0; i < bytes; ++i) shadow[i] = ByteShadow{access_now(t), {}};
       }
     }
   }
