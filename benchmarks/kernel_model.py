@@ -293,7 +293,8 @@ def traffic_coefficients(op, mode, D, M, dtype, plan, concurrent_blocks, fused=F
         full = [1.0, M, plan["blocks"]]
     kernels: dict[str, list] = {}
     for (rows, sms), reg in zip(runs, regress):
-        log = emulate(op, mode, D, rows, dtype, (sms, threads, None, H200.max_cluster_blocks), fused)
+        shared = emulated_shared_limit(op, mode, plan, D, dtype.itemsize)
+        log = emulate(op, mode, D, rows, dtype, (sms, threads, shared, H200.max_cluster_blocks), fused)
         blocks = log[0]["grid"]
         for name, counters in _per_kernel(log).items():
             kernels.setdefault(name, []).append((reg(rows, blocks), counters))
@@ -308,47 +309,88 @@ def traffic_coefficients(op, mode, D, M, dtype, plan, concurrent_blocks, fused=F
     return out
 
 
-def _before_ring(mode: str, plan: dict, D: int) -> int:
-    """The register kernels' shared memory ahead of the backward's prefetch ring: two float32 per warp for the row
-    sums of rows over 32 threads; the backward with several rows a block (or a cluster of blocks) adds their partial
-    rows on chip."""
+def _before_ring(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
+    """The register kernels' shared memory ahead of their prefetch ring: two float32 per warp for the row sums of rows
+    over 32 threads; the backward with several rows a block (or a cluster of blocks) adds their partial rows on chip;
+    the forward's copy of the weight and bias comes first (StagedParams)."""
     smem = 2 * 4 * (plan["block_threads"] // 32) if plan["threads_per_row"] > 32 else 0
     if mode == "bwd" and (plan["rows_per_block"] > 1 or plan["partial_cluster"] > 1):
         smem = max(smem, plan["rows_per_block"] * D * 4)
+    if mode == "fwd" and plan["path"] == "registers":
+        smem += staged_params_bytes(op, D, elem)
     return smem
 
 
-def prefetch_stages(mode: str, plan: dict, D: int, elem: int) -> int:
-    """The register backward's prefetch ring (TilePrefetch, backward_launch.h): its stages, 3 where the block's
-    shared memory holds them after the rest, else 2 (0: no ring), for vectorized rows with float32 sums
-    (backward_prefetches)."""
-    if mode != "bwd" or plan["path"] != "registers" or plan["vec"] == 1 or elem == 8:
+def staged_params_bytes(op: str, D: int, elem: int) -> int:
+    """The forward register kernel's copy of the weight and bias (StagedParams), 16-byte aligned."""
+    return -(-parameter_count(op) * D * elem // 16) * 16
+
+
+def ring_instance(plan: dict, elem: int) -> bool:
+    """Whether the row kernel's instance has a prefetch ring (ring_prefetches: vectorized register rows with float32
+    sums)."""
+    return plan["path"] == "registers" and plan["vec"] > 1 and elem != 8
+
+
+def prefetch_stage_bytes(mode: str, plan: dict, elem: int) -> int:
+    """A stage of a register kernel's prefetch ring (ThreadRing): each thread's vectors of x (the forward); of x (the
+    fused add's residual stream, in x's dtype as the model runs it) and dy, and its row's mean and rstd (float32;
+    the backward's TilePrefetch)."""
+    per_thread = plan["items"] * plan["vec"] * elem
+    return plan["block_threads"] * (per_thread if mode == "fwd" else 2 * per_thread + 2 * 4)
+
+
+def _ring_smem(op: str, mode: str, plan: dict, D: int, elem: int, stages: int) -> int:
+    """The register kernel's dynamic shared memory with a ring of `stages` (16-byte aligned after the rest)."""
+    smem = _before_ring(op, mode, plan, D, elem)
+    return -(-smem // 16) * 16 + stages * prefetch_stage_bytes(mode, plan, elem) if stages else smem
+
+
+def ring_stages(op: str, mode: str, plan: dict, D: int, elem: int, registers: int | None, static_smem: int) -> int:
+    """The launchers' choice of ring (backward_launch.h, forward_launch.h): 3 stages where the block's shared memory
+    holds them, else 2, else none; the forward's only where it is wanted (forward_ring_wanted) and where the SM
+    still holds as many blocks (its registers' occupancy, shared memory, kernel_resources.blocks_per_sm; registers
+    None: the emulated device's residency, which counts threads alone)."""
+    if not ring_instance(plan, elem):
         return 0
-    room = H200.max_shared_per_block - -(-_before_ring(mode, plan, D) // 16) * 16
-    return next((s for s in (3, 2) if s * prefetch_stage_bytes(plan, elem) <= room), 0)
+    if mode == "fwd" and plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES and plan["threads_per_row"] > 32:
+        return 0  # forward_ring_wanted: block rows that the register prefetch serves
+    threads = plan["block_threads"]
+    base = _ring_smem(op, mode, plan, D, elem, 0) + static_smem
+    resident = kernel_resources.blocks_per_sm(registers, threads, base) if registers is not None else 0
+    for stages in (3, 2):
+        smem = _ring_smem(op, mode, plan, D, elem, stages)
+        if smem > H200.max_shared_per_block:
+            continue
+        if (
+            mode == "fwd"
+            and registers is not None
+            and kernel_resources.blocks_per_sm(registers, threads, smem + static_smem) != resident
+        ):
+            continue
+        return stages
+    return 0
 
 
-def prefetch_stage_bytes(plan: dict, elem: int) -> int:
-    """A stage of the ring: each thread's vectors of x (the fused add's residual stream, in x's dtype as the model
-    runs it) and dy, and its row's mean and rstd (float32)."""
-    return plan["block_threads"] * (plan["items"] * plan["vec"] * 2 * elem + 2 * 4)
+def emulated_shared_limit(op: str, mode: str, plan: dict, D: int, elem: int) -> int | None:
+    """The emulated device's max_shared_per_block under which its launchers pick plan["prefetch_stages"] as the
+    H200's do: the emulated device does not count shared memory in its residency (device.cuh), so a forward ring
+    the H200 refuses for its occupancy is refused here by room. None: the H200's own limit."""
+    stages = plan.get("prefetch_stages", 0)
+    if mode != "fwd" or not ring_instance(plan, elem) or stages == 3:
+        return None
+    # room for `stages` (2) and not one more; room for no ring and not 2
+    return _ring_smem(op, mode, plan, D, elem, stages or 2) - (0 if stages else 1)
 
 
-def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int, staged: bool = True) -> int:
-    """Dynamic shared memory of the row kernel (launchers in csrc/cuda): two float32 per warp for the row sums
-    of rows over 32 threads; the backward with several rows a block (or a cluster of blocks) adds their partial rows on
-    chip, and its register kernel's prefetch ring follows (16-byte aligned); the forward's register kernel keeps its
-    copy of the weight and bias (`staged`) ahead of them; the shared-memory kernel's, as the plan says (its slice of
-    the row, and of the weight and bias where they fit)."""
+def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
+    """Dynamic shared memory of the row kernel (launchers in csrc/cuda): the register kernels' (_before_ring) and
+    their prefetch ring of plan["prefetch_stages"] (none until the case's facts choose it), the multi-pass kernels'
+    row sums (and the backward's partial rows); the shared-memory
+    kernel's, as the plan says (its slice of the row, and of the weight and bias where they fit)."""
     if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
-    smem = _before_ring(mode, plan, D)
-    stages = prefetch_stages(mode, plan, D, elem)
-    if stages:
-        smem = -(-smem // 16) * 16 + stages * prefetch_stage_bytes(plan, elem)
-    if staged and mode == "fwd" and plan["path"] == "registers":
-        smem += -(-parameter_count(op) * D * elem // 16) * 16
-    return smem
+    return _ring_smem(op, mode, plan, D, elem, plan.get("prefetch_stages", 0))
 
 
 def l1_free_bytes(blocks_per_sm: int, smem_per_block: int) -> int:
@@ -382,16 +424,16 @@ def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
 def prefetched_share(mode: str, plan: dict, D: int, elem: int, bursts: int, fused: bool) -> float:
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
-    forward register kernels whose next row, as stored, is at most PREFETCH_BYTES a thread (prefetches_next_row);
+    forward register kernels without a ring whose next row, as stored, is at most PREFETCH_BYTES a thread
+    (prefetches_next_row);
     with bulk loads, every chunk but the last (each refilled once the last pass over it, the forward's normalize or
     the backward's dx pass, has read it; the last at the row's end); the first of the other forward shared-memory
-    kernels' rounds (load_slice_round); all of them in the backward register kernels with a prefetch ring; none
-    elsewhere."""
+    kernels' rounds (load_slice_round); all of them in the register kernels with a prefetch ring; none elsewhere."""
     if not bursts:
         return 0.0
     if bulk_loads(mode, plan, elem, fused):
         return (BULK_STAGES - 1) / BULK_STAGES
-    if plan["path"] == "registers" and prefetch_stages(mode, plan, D, elem):
+    if plan.get("prefetch_stages"):
         return 1.0
     if mode != "fwd":
         return 0.0
@@ -448,10 +490,11 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
         out["barriers"] = (2 * reductions if tpr > 32 else 0) / 1.0
         out["shared_requests"] = reductions * _row_sum_requests(tpr)
         if mode == "fwd":  # the weight and bias from the block's copy (the launcher stages them; model_case checks)
-            params = parameter_count(op)
-            out["shared_requests"] += params * slots * _pieces(vec, elem)
-            out["shared_bytes"] = params * D * elem
-        elif prefetch_stages(mode, plan, D, elem):  # the row read from the prefetch ring (copied there by cp.async)
+            # and x from the prefetch ring (copied there by cp.async)
+            streams = parameter_count(op) + (1 if plan.get("prefetch_stages") else 0)
+            out["shared_requests"] += streams * slots * _pieces(vec, elem)
+            out["shared_bytes"] = streams * D * elem
+        elif plan.get("prefetch_stages"):  # the row read from the prefetch ring (copied there by cp.async)
             # x and dy; the mean (LayerNorm) and rstd, a scalar request per warp of the row
             out["shared_requests"] += slots * 2 * _pieces(vec, elem) + (2 if ln else 1) * tpr / 32
             out["shared_bytes"] = 2 * D * elem
@@ -549,6 +592,7 @@ def check_structure(op: str, mode: str, dtype_name: str, D: int, fused: bool = F
     elem = DTYPES[dtype_name].itemsize
     M = case_rows(mode, D, elem)
     plan = plan_on_h200(op, mode, D, M, elem, 1)
+    plan["prefetch_stages"] = ring_stages(op, mode, plan, D, elem, None, 0)
     ops().set_block_sample(8)
     try:
         traffic = traffic_coefficients(op, mode, D, M, DTYPES[dtype_name], plan, plan["blocks"], fused)
@@ -672,14 +716,20 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
     row_kernel = names[0]
     res = {n: res_all.get(n, {}) for n in names}
     registers = res[row_kernel].get("registers", 32)
-    smem = row_kernel_smem(op, mode, plan, D, elem) + res[row_kernel].get("static_smem", 0)
+    static_smem = res[row_kernel].get("static_smem", 0)
+    plan["prefetch_stages"] = ring_stages(op, mode, plan, D, elem, registers, static_smem)
+    smem = row_kernel_smem(op, mode, plan, D, elem) + static_smem
     per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], smem)
     # The forward's launcher copies the weight and bias to shared memory only where that keeps the occupancy its
     # registers allow; the emulated runs always do (the emulated device does not count shared memory).
-    unstaged = kernel_resources.blocks_per_sm(
-        registers, plan["block_threads"], row_kernel_smem(op, mode, plan, D, elem, staged=False)
-    )
-    assert per_sm == unstaged, f"{op} {dtype_name} D={D}: the launcher would not stage the weight here"
+    if mode == "fwd" and plan["path"] == "registers":
+        staged = _before_ring(op, mode, plan, D, elem) + static_smem
+        unstaged = kernel_resources.blocks_per_sm(
+            registers, plan["block_threads"], staged - staged_params_bytes(op, D, elem)
+        )
+        assert kernel_resources.blocks_per_sm(registers, plan["block_threads"], staged) == unstaged, (
+            f"{op} {dtype_name} D={D}: the launcher would not stage the weight here"
+        )
     if one_wave(mode, plan):  # one wave at the kernel's occupancy (limit_to_one_wave, limit_to_resident_clusters)
         plan["blocks"] = plan_on_h200(op, mode, D, M, elem, per_sm)["blocks"]
     blocks = plan["blocks"]
@@ -761,7 +811,7 @@ def features(facts: dict) -> dict:
         "shared_kib": shared_sm / 1024,
         "prefetch": prefetched_share(mode, plan, D, elem, s["bursts"], facts["fused"]),
         # the bursts in flight during a period: the register backward's ring of 3 stages holds two tiles ahead
-        "prefetch_ahead": max(1, prefetch_stages(mode, plan, D, elem) - 1),
+        "prefetch_ahead": max(1, plan.get("prefetch_stages", 0) - 1),
     }
     rows_per_step = u["units"] * u["rows_per_unit"]
     steps = math.ceil(M / rows_per_step)

@@ -28,7 +28,7 @@
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
 # Phase `ab` (named only, after bench; carry gpu_build_experiment too): torch_ln's backward under each A/B switch of
-# scripts/experiment_overrides.diff (the prefetch ring's stages, the bulk loads), ~4 min at most.
+# scripts/experiment_overrides.diff (the prefetch rings' stages, the bulk loads), ~4.5 min at most.
 # The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
 # scripts/experiment_overrides.diff (its own diff no longer applies to these kernels; tests/test_gpu_scripts.py checks
 # that this one does): make it here as well,
@@ -184,7 +184,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-06-kernel-model-prefetch-stages/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-06-kernel-model-prefetch-forward/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
@@ -208,10 +208,10 @@ if wants ab; then
         --modes $modes --D $D --out "$WORK/ab/$name" > "$WORK/ab_$name.txt" 2>&1
       note "ab $name exit: $?"
     }
-    # The register backward's prefetch ring (TilePrefetch): 3 stages where they fit, at most 2, none.
-    ab ring_main 45 "512 1024 4096 8192" bwd
-    ab ring_2_stages 45 "512 1024 4096 8192" bwd TLN_X_RING_STAGES=2
-    ab ring_none 45 "512 1024 4096 8192" bwd TLN_X_NO_PREFETCH=1
+    # The register kernels' prefetch rings (ThreadRing): 3 stages where they fit, at most 2, none.
+    ab ring_main 60 "512 1024 4096 8192" "fwd bwd"
+    ab ring_2_stages 60 "512 1024 4096 8192" "fwd bwd" TLN_X_RING_STAGES=2
+    ab ring_none 60 "512 1024 4096 8192" "fwd bwd" TLN_X_NO_PREFETCH=1
     # The shared-memory kernels' bulk loads (SliceRing).
     ab bulk_main 45 "32768 262144" "fwd bwd"
     ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1

@@ -301,34 +301,24 @@ TLN_DEVICE TileRow<acc_t> tile_row(const BackwardParams<T, W, acc_t, R>& p, cons
 }
 
 // The register backward's next tiles, prefetched: each thread copies its row's statistics and its vectors of x and
-// dy for the tiles ahead into its own slots of a ring of `stages` stages in shared memory by cp.async (one group a
-// tile) while it works on this tile, and waits for this tile's group (cp.async.wait_group stages - 1) when it gets
-// there, so a row's loads are not a round trip to DRAM after the last row's stores. A thread reads only what it
-// copied itself: no barrier, no mbarrier. Slot (stage, k) of a thread is vector (stage * ITEMS + k) * threads +
-// thread of each stream (consecutive 16-byte pieces across a warp); its statistics, acc_t (stage * 2 + s) * threads +
-// thread.
+// dy for the tiles ahead into its own slots of a ring of `stages` stages (ThreadRing, one group a tile) while it works
+// on this tile, and waits for this tile's group when it gets there (ring_turn), so a row's loads are not a round trip
+// to DRAM after the last row's stores. Its statistics: acc_t (stage * 2 + s) * threads + thread, after x's and dy's.
 template <typename T, typename R, int VEC, int ITEMS>
 struct TilePrefetch {
-  SharedVectors<R, VEC> x;
-  SharedVectors<T, VEC> dy;
+  ThreadRing<R, VEC, ITEMS> x;
+  ThreadRing<T, VEC, ITEMS> dy;
   float* stats;
-  int64_t threads, thread;
 
   TLN_DEVICE TilePrefetch(unsigned char* base, int stages, int64_t block_threads)
-      : x{reinterpret_cast<typename SharedVectors<R, VEC>::Piece*>(base), stages * ITEMS * block_threads},
-        dy{reinterpret_cast<typename SharedVectors<T, VEC>::Piece*>(
-               base + SharedVectors<R, VEC>::bytes(stages * ITEMS * block_threads)),
-           stages * ITEMS * block_threads},
-        stats(reinterpret_cast<float*>(base + SharedVectors<R, VEC>::bytes(stages * ITEMS * block_threads) +
-                                       SharedVectors<T, VEC>::bytes(stages * ITEMS * block_threads))),
-        threads(block_threads),
-        thread(dev::thread_x()) {}
+      : x(base, stages, block_threads),
+        dy(base + ThreadRing<R, VEC, ITEMS>::bytes(stages, block_threads), stages, block_threads),
+        stats(reinterpret_cast<float*>(base + ThreadRing<R, VEC, ITEMS>::bytes(stages, block_threads) +
+                                       ThreadRing<T, VEC, ITEMS>::bytes(stages, block_threads))) {}
 
-  TLN_DEVICE int64_t slot(int stage, int k) const { return (int64_t{stage} * ITEMS + k) * threads + thread; }
-  TLN_DEVICE float* stat(int stage, int s) const { return &stats[(int64_t{stage} * 2 + s) * threads + thread]; }
+  TLN_DEVICE float* stat(int stage, int s) const { return &stats[(int64_t{stage} * 2 + s) * x.threads + x.thread]; }
 
-  // Copies the thread's row of `tile` into `stage`: its mean (LayerNorm) and rstd, and its vectors in the row (the
-  // kernel reads no others).
+  // Copies the thread's row of `tile` into `stage`: its mean (LayerNorm) and rstd, and its vectors in the row.
   template <typename W>
   TLN_DEVICE void copy(const BackwardParams<T, W, float, R>& p, const GroupWalk& walk, const RowLayout& layout,
                        int64_t tile, int64_t batch_rows, int stage) const {
@@ -336,15 +326,8 @@ struct TilePrefetch {
     const int64_t row = walk.row(tile + layout.row_in_block);
     if (p.mean != nullptr) dev::copy_async_4(stat(stage, 0), &p.mean[row]);
     dev::copy_async_4(stat(stage, 1), &p.rstd[row]);
-    const R* x_row = p.x + p.x_offset(row);
-    const T* dy_row = p.dy + row * p.cols;
-    const int64_t nvec = p.cols / VEC;
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      if (layout.vector(k) >= nvec) continue;
-      x.copy_async(slot(stage, k), x_row + layout.vector(k) * VEC);
-      dy.copy_async(slot(stage, k), dy_row + layout.vector(k) * VEC);
-    }
+    x.copy(p.x + p.x_offset(row), layout, p.cols / VEC, stage);
+    dy.copy(p.dy + row * p.cols, layout, p.cols / VEC, stage);
   }
 
   // The thread's row of `tile`, its statistics as copied into `stage`.
@@ -357,11 +340,6 @@ struct TilePrefetch {
             active ? dev::load_shared(stat(stage, 1)) : 0.0f};
   }
 };
-
-// Whether a register backward instance prefetches its next tile (TilePrefetch): vectorized rows (cp.async moves
-// 16-byte pieces) with float32 sums; not float64's (bound by their arithmetic) nor the gated instances' (their
-// gate's loads would still wait).
-constexpr bool backward_prefetches(int vec, int acc_bytes, bool gated) { return vec > 1 && acc_bytes == 4 && !gated; }
 
 // Rows held in registers, laid out as in the forward. A block walks the tiles
 // block, block + blocks, ...; each thread keeps its columns' weight and its
@@ -393,7 +371,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
   }
   const int64_t batch_rows = p.rows / walk.groups;
   const int64_t first_tile = walk.unit * layout.rows_per_block, tile_step = walk.units * layout.rows_per_block;
-  constexpr bool kPrefetches = backward_prefetches(VEC, sizeof(acc_t), GATED);
+  constexpr bool kPrefetches = ring_prefetches(VEC, sizeof(acc_t), GATED);
   const int stages = kPrefetches ? p.prefetch_stages : 0;
   const bool prefetch = stages > 0;
   const TilePrefetch<T, R, VEC, ITEMS> ring(dev::dynamic_shared<unsigned char>() + p.prefetch_offset, stages,
@@ -405,17 +383,12 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
     }
   }
   int stage = 0;
-  for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage = stage + 1 == stages ? 0 : stage + 1) {
+  for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage = next_stage(stage, stages)) {
     TileRow<acc_t> at;
     if constexpr (kPrefetches) {
       if (prefetch) {  // the copies of the tile stages - 1 ahead (an empty group past the last), then this tile's wait
         ring.copy(p, walk, layout, tile + (stages - 1) * tile_step, batch_rows, (stage + stages - 1) % stages);
-        dev::copy_async_commit();
-        if (stages == 3) {
-          dev::copy_async_wait<2>();
-        } else {
-          dev::copy_async_wait<1>();
-        }
+        ring_turn(stages);
         at = ring.row(p, walk, layout, tile, batch_rows, stage);
       }
     }
@@ -435,8 +408,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
       if constexpr (kPrefetches) {
         if (prefetch) {  // (vectors beyond the row are neither copied nor used)
           if (!in_row) continue;
-          ring.x.load(ring.slot(stage, k), xhat[k]);
-          ring.dy.load(ring.slot(stage, k), dy[k]);
+          ring.x.load(stage, k, xhat[k]);
+          ring.dy.load(stage, k, dy[k]);
           continue;
         }
       }

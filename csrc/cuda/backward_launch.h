@@ -107,19 +107,14 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
                    plan.rows_per_block > 1 || cluster > 1 ? plan.rows_per_block * k.cols * sizeof(acc_t) : size_t{0});
     }
     // The register kernel's prefetch ring after that (TilePrefetch: per stage, each thread's vectors of x and dy and
-    // its row's statistics), of 3 stages (two tiles in flight) or else 2 where the block's shared memory has room.
-    const size_t prefetch_offset =
-        static_cast<size_t>(ceil_div(static_cast<int64_t>(smem), kVectorBytes)) * kVectorBytes;
-    const size_t stage_bytes = static_cast<size_t>(plan.block_threads()) *
-                               (plan.items * plan.vec * (sizeof(R) + sizeof(T)) + 2 * sizeof(acc_t));
-    if (!plan.shared_row() && !plan.multipass() && backward_prefetches(plan.vec, sizeof(acc_t), gated)) {
-      for (const int stages : {3, 2}) {
-        if (prefetch_offset + stages * stage_bytes > limits.max_shared_per_block) continue;
-        p.prefetch_stages = stages;
-        p.prefetch_offset = prefetch_offset;
-        smem = prefetch_offset + stages * stage_bytes;
-        break;
-      }
+    // its row's statistics), where the block's shared memory has room.
+    if (!plan.shared_row() && !plan.multipass() && ring_prefetches(plan.vec, sizeof(acc_t), gated)) {
+      const size_t stage_bytes = static_cast<size_t>(plan.block_threads()) *
+                                 (plan.items * plan.vec * (sizeof(R) + sizeof(T)) + 2 * sizeof(acc_t));
+      const RingPlacement ring = place_ring(smem, stage_bytes, limits, [](size_t) { return true; });
+      p.prefetch_stages = ring.stages;
+      p.prefetch_offset = ring.offset;
+      smem = ring.total;
     }
     size_cluster_grid(kernel, plan, ceil_div(plan.blocks, p.partial_cluster), smem, limits, cluster);
     group_units(plan, a.rows, k.groups);

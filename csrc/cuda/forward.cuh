@@ -41,6 +41,10 @@ struct ForwardParams {
   // A gated RMSNorm (the kernels' GATED instances): the gate, and a grouped norm's groups as rows of their own.
   DeviceGate<T> gate = {};
   int bulk_stages = 0;  // the shared-memory kernel: its slice loaded by bulk copies in this many chunks (SliceRing)
+  // The register kernel's prefetch of its next tiles (ThreadRing): its ring's stages (0: none; 2 or 3), and where in
+  // the dynamic shared memory the ring starts (bytes, after the weight and bias copy and the row sums' room).
+  int prefetch_stages = 0;
+  size_t prefetch_offset = 0;
 };
 
 // With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
@@ -362,14 +366,27 @@ TLN_DEVICE void load_tile_row(const ForwardParams<T, W, acc_t, R>& p, const RowL
   }
 }
 
+// Copies a thread's vectors of x for its row of a register kernel's tile into `stage` of its prefetch ring (none
+// beyond the rows: the group stays empty).
+template <int VEC, int ITEMS, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void copy_tile_row(const ForwardParams<T, W, acc_t, R>& p, const ThreadRing<T, VEC, ITEMS>& ring,
+                              const RowLayout& layout, const GroupWalk& walk, int64_t tile, int64_t batch_rows,
+                              int stage) {
+  if (tile + layout.row_in_block >= batch_rows) return;
+  ring.copy(p.x + p.x_rows.offset(walk.row(tile + layout.row_in_block)), layout, p.cols / VEC, stage);
+}
+
 // Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
 // RowLayout), read from global memory once. A block walks many rows (its grid is
 // one wave, launch_forward_typed), reading the weight and bias from its shared
 // copy when p.staged_params (the launcher's choice: the copy fits the device's
 // shared memory without lowering the occupancy), from global memory otherwise.
-// Where the next row as stored fits beside this one (prefetches_next_row), its loads are issued as soon as this
-// row's are converted: they are in flight during this row's reductions and stores, so the unit's load stream does
-// not stop for each row (without them, its loads are idle for the row's reduce-and-store time).
+// With p.prefetch_stages (the launcher's choice: forward_ring_wanted, and room without fewer blocks resident), each
+// thread copies its vectors of x for the tiles ahead into its own slots of a ring in shared memory by cp.async
+// (ThreadRing) and reads this tile's back from there: 2 tiles in flight with 3 stages, during this row's reductions
+// and stores. Without a ring, where the next row as stored fits beside this one (prefetches_next_row), its loads
+// are issued as soon as this row's are converted. Otherwise the unit's loads are idle for each row's
+// reduce-and-store time.
 // QUANTIZED (here and in the long-row kernels): the *_quant operators' instance (p.quant), a template argument so
 // that the plain kernels keep their registers (a runtime branch raised them by up to 24). GATED (here and in the
 // multi-pass kernel): the gated RMSNorm's instance (p.gate), whose blocks walk the rows of one group (GroupWalk).
@@ -387,31 +404,54 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
   const int64_t nvec = p.cols / VEC;  // VEC > 1 only when it divides cols
   const int64_t batch_rows = p.rows / walk.groups;
   const int64_t tile_step = walk.units * layout.rows_per_block;
+  const int64_t first_tile = walk.unit * layout.rows_per_block;
+  constexpr bool kRing = ring_prefetches(VEC, sizeof(acc_t), GATED);
+  const int stages = kRing ? p.prefetch_stages : 0;
+  const ThreadRing<T, VEC, ITEMS> ring(shared + p.prefetch_offset, stages, dev::block_dim_x());
+  if constexpr (kRing) {  // the tiles ahead of the first, one group each
+    for (int s = 0; s + 1 < stages; ++s) {
+      copy_tile_row(p, ring, layout, walk, first_tile + s * tile_step, batch_rows, s);
+      dev::copy_async_commit();
+    }
+  }
   // x as stored, converted after. (A residual is read vector by vector as it is added: float32 rows would spill
   // holding both x and the residual as stored.)
   Vec<T, VEC> raw[ITEMS];
-  if constexpr (kPrefetch) load_tile_row(p, layout, walk, walk.unit * layout.rows_per_block, batch_rows, raw);
+  const bool register_prefetch = kPrefetch && stages == 0;
+  if (register_prefetch) load_tile_row(p, layout, walk, first_tile, batch_rows, raw);
   if (p.staged_params) {
     staged.fill(p);
     dev::sync_threads();
   }
-  for (int64_t tile = walk.unit * layout.rows_per_block; tile < batch_rows; tile += tile_step) {
+  int stage = 0;
+  for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage = next_stage(stage, stages)) {
     const bool active = tile + layout.row_in_block < batch_rows;
     const int64_t row = walk.row(tile + layout.row_in_block);
-    if constexpr (!kPrefetch) load_tile_row(p, layout, walk, tile, batch_rows, raw);
+    if constexpr (kRing) {
+      if (stages > 0) {  // the copies of the tile stages - 1 ahead (an empty group past the last), then this tile's
+        copy_tile_row(p, ring, layout, walk, tile + (stages - 1) * tile_step, batch_rows,
+                      (stage + stages - 1) % stages);
+        ring_turn(stages);
+      }
+    }
+    if (!kPrefetch && stages == 0) load_tile_row(p, layout, walk, tile, batch_rows, raw);
     acc_t v[ITEMS][VEC];
     acc_t sum = acc_t(0);
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
       if (active && layout.vector(k) < nvec) {
-        to_acc(raw[k], v[k]);
+        if (stages > 0) {
+          ring.load(stage, k, v[k]);
+        } else {
+          to_acc(raw[k], v[k]);
+        }
         add_residual(p, row, layout.vector(k) * VEC, v[k]);
         gate_input<GATED>(p, row, layout.vector(k) * VEC, v[k]);
         keep_input(p, row, layout.vector(k) * VEC, v[k]);
         sum += vector_sum(v[k]);
       }
     }
-    if constexpr (kPrefetch) load_tile_row(p, layout, walk, tile + tile_step, batch_rows, raw);
+    if (register_prefetch) load_tile_row(p, layout, walk, tile + tile_step, batch_rows, raw);
     const acc_t mean =
         KIND == NormKind::LayerNorm ? row_reduce(sum, p.threads_per_row, smem) / static_cast<acc_t>(p.cols) : acc_t(0);
     // Two-pass variance over the registers: no E[x^2] - E[x]^2 cancellation.

@@ -122,6 +122,19 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
             dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits.max_threads_per_sm) == blocks_per_sm;
         if (p.staged_params) smem += staged;
       }
+      // The prefetch ring after that (ThreadRing: per stage, each thread's vectors of x), where it is wanted and the
+      // device has room for it without fewer blocks resident.
+      if (ring_prefetches(plan.vec, sizeof(acc_t), gated) &&
+          forward_ring_wanted(plan.items * plan.vec * sizeof(T), plan.threads_per_row)) {
+        const size_t stage_bytes = static_cast<size_t>(threads) * plan.items * plan.vec * sizeof(T);
+        const RingPlacement ring = place_ring(smem, stage_bytes, limits, [&](size_t total) {
+          dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
+          return dev::resident_blocks_per_sm(kernel, threads, total, limits.max_threads_per_sm) == blocks_per_sm;
+        });
+        p.prefetch_stages = ring.stages;
+        p.prefetch_offset = ring.offset;
+        smem = ring.total;
+      }
       limit_to_one_wave(plan, limits, blocks_per_sm);
     }
     group_units(plan, a.rows, k.groups);

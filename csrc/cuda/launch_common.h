@@ -120,6 +120,24 @@ inline void group_units(RowPlan& plan, int64_t batch_rows, int64_t groups) {
   plan.blocks = units * groups;
 }
 
+// A register kernel's prefetch ring (ThreadRing) in its dynamic shared memory: after the kernel's other `smem` bytes,
+// 16-byte aligned, 3 stages of `stage_bytes` (two tiles in flight) or else 2, the first the block's limit and
+// `keeps(total bytes)` allow; no stages where neither is.
+struct RingPlacement {
+  int stages = 0;
+  size_t offset = 0, total = 0;
+};
+
+template <typename Keeps>
+RingPlacement place_ring(size_t smem, size_t stage_bytes, const DeviceLimits& limits, Keeps keeps) {
+  const size_t offset = static_cast<size_t>(ceil_div(static_cast<int64_t>(smem), kVectorBytes)) * kVectorBytes;
+  for (const int stages : {3, 2}) {
+    const size_t total = offset + stages * stage_bytes;
+    if (total <= limits.max_shared_per_block && keeps(total)) return {stages, offset, total};
+  }
+  return {0, 0, smem};
+}
+
 inline dev::Dim3 grid_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.blocks)}; }
 inline dev::Dim3 block_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.block_threads())}; }
 

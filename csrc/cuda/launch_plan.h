@@ -56,6 +56,16 @@ constexpr RegisterBudget gated_budget(RegisterBudget budget, bool gated) {
 constexpr int kPrefetchBytes = 64;
 constexpr bool prefetches_next_row(size_t row_bytes_per_thread) { return row_bytes_per_thread <= kPrefetchBytes; }
 
+// Whether the forward register kernel takes a prefetch ring (ThreadRing) where its instance has one and the device
+// room: where the register prefetch cannot serve (over kPrefetchBytes a thread), and for rows of a warp or less,
+// whose reductions need no block barrier, so that a row's work is short beside the DRAM latency one row in flight
+// leaves exposed. Not for block rows the register prefetch serves: there the kernel model has the ring's
+// shared-memory reads cost more than a second row in flight gains (2026-12-06-kernel-model-prefetch-forward:
+// bfloat16 D=512 84 -> 99.6 % of copy with the ring, D=4096 96 -> 87).
+constexpr bool forward_ring_wanted(size_t row_bytes_per_thread, int threads_per_row) {
+  return !prefetches_next_row(row_bytes_per_thread) || threads_per_row <= 32;
+}
+
 // A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.
 constexpr RegisterBudget for_accumulator(RegisterBudget budget, int acc_bytes) {
   return {budget.elems * 4 / acc_bytes, budget.scalar_elems * 4 / acc_bytes, budget.max_threads,

@@ -48,6 +48,61 @@ struct SharedVectors {
   }
 };
 
+// The register kernels' prefetch of their next tiles (the forward's x, the backward's x and dy): a ring of `stages`
+// stages in shared memory of one stream's vectors, ITEMS a thread, which each thread copies from global memory into
+// its own slots by cp.async (one commit group a tile, ring_turn) and reads back itself: no barrier, no mbarrier. Slot
+// (stage, k) of a thread is vector (stage * ITEMS + k) * threads + thread (consecutive 16-byte pieces across a warp).
+template <typename E, int VEC, int ITEMS>
+struct ThreadRing {
+  SharedVectors<E, VEC> vectors;
+  int64_t threads, thread;
+
+  static constexpr size_t bytes(int stages, int64_t block_threads) {
+    return SharedVectors<E, VEC>::bytes(int64_t{stages} * ITEMS * block_threads);
+  }
+
+  TLN_DEVICE ThreadRing(unsigned char* base, int stages, int64_t block_threads)
+      : vectors{reinterpret_cast<typename SharedVectors<E, VEC>::Piece*>(base),
+                int64_t{stages} * ITEMS * block_threads},
+        threads(block_threads),
+        thread(dev::thread_x()) {}
+
+  TLN_DEVICE int64_t slot(int stage, int k) const { return (int64_t{stage} * ITEMS + k) * threads + thread; }
+
+  // Copies the thread's vectors of a row (`row`: its first element) into `stage`: those in the row (nvec vectors),
+  // the only ones a kernel reads back.
+  TLN_DEVICE void copy(const E* row, const RowLayout& layout, int64_t nvec, int stage) const {
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      if (layout.vector(k) < nvec) vectors.copy_async(slot(stage, k), row + layout.vector(k) * VEC);
+    }
+  }
+
+  template <typename acc_t>
+  TLN_DEVICE void load(int stage, int k, acc_t (&out)[VEC]) const {
+    vectors.load(slot(stage, k), out);
+  }
+};
+
+// Whether a register kernel instance may prefetch through a ThreadRing: vectorized rows (cp.async moves 16-byte
+// pieces) with float32 sums; not float64's (bound by their arithmetic) nor the gated instances' (their gate's loads
+// would still wait).
+constexpr bool ring_prefetches(int vec, int acc_bytes, bool gated) { return vec > 1 && acc_bytes == 4 && !gated; }
+
+// A ring's turn at a tile, once the copies of the tile stages - 1 ahead are issued (none past the last tile): they
+// close their group, and this tile's group, stages - 1 groups older, is waited for (3 stages: two tiles in flight).
+TLN_DEVICE void ring_turn(int stages) {
+  dev::copy_async_commit();
+  if (stages == 3) {
+    dev::copy_async_wait<2>();
+  } else {
+    dev::copy_async_wait<1>();
+  }
+}
+
+// The stage after `stage` in a ring of `stages`.
+TLN_DEVICE int next_stage(int stage, int stages) { return stage + 1 == stages ? 0 : stage + 1; }
+
 // Vector c of block `rank`'s copy of `sums` in its cluster (distributed shared memory).
 template <typename E, int VEC, typename acc_t>
 TLN_DEVICE void load_from_rank(const SharedVectors<E, VEC>& sums, unsigned rank, int64_t c, acc_t (&out)[VEC]) {

@@ -235,6 +235,22 @@ def _forward_kernel(kind, x, weight, bias, residual=None, residual_dtype=None):
     return out, json.loads(ops.take_launch_log())[0]
 
 
+def _forward_quant(kind, x, weight, bias):
+    """The quantized forward (float8_e4m3fn, per-row scales; the kernels' QUANTIZED instances): y, codes and scales,
+    and the row kernel's launch record."""
+    cols = x.shape[-1]
+    quant = {"out_dtype": torch.float8_e4m3fn, "return_unquantized": True}
+    ops.set_counting(True)
+    try:
+        if kind == "layer":
+            q, scales, y = ops.layer_norm_quant(x, [cols], weight, bias, 1e-5, **quant)
+        else:
+            q, scales, y = ops.rms_norm_quant(x, [cols], weight, 1e-5, **quant)
+    finally:
+        ops.set_counting(False)
+    return [y, q.view(torch.uint8), scales], json.loads(ops.take_launch_log())[0]
+
+
 def _check_forward(kind, x, weight, bias, y):
     """y against torch per the accuracy rule: at most twice torch's error from float64 in the same dtype, plus the
     floor."""
@@ -824,18 +840,7 @@ def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantiz
     assert -(-nvec // cluster) > 8 * 512, "a slice of one register round: no bulk loads"
 
     def forward(inputs):
-        if not quantized:
-            return _forward_kernel(kind, inputs, weight, bias)
-        ops.set_counting(True)
-        try:
-            quant = {"out_dtype": torch.float8_e4m3fn, "return_unquantized": True}
-            if kind == "layer":
-                q, scales, y = ops.layer_norm_quant(inputs, [cols], weight, bias, 1e-5, **quant)
-            else:
-                q, scales, y = ops.rms_norm_quant(inputs, [cols], weight, 1e-5, **quant)
-        finally:
-            ops.set_counting(False)
-        return [y, q.view(torch.uint8), scales], json.loads(ops.take_launch_log())[0]
+        return _forward_quant(kind, inputs, weight, bias) if quantized else _forward_kernel(kind, inputs, weight, bias)
 
     with _device(shared=shared):
         ops.set_device(1, 512 * cluster, shared, 8)  # one cluster resident: its blocks walk every row
@@ -926,17 +931,18 @@ def _backward_launch_of(run):
     return out, next(r for r in json.loads(ops.take_launch_log()) if "norm_backward" in r["kernel"])
 
 
-def _by_prefetch_stages(run, stage_bytes):
-    """{stages: run()'s outputs} on a device where one block of 512 threads walks every tile (no clusters): with the
-    register backward's prefetch ring as deep as the device's shared memory holds, then each time on a device one byte
-    short of the last launch's (one stage fewer, or no ring: it takes 2 at least). `stage_bytes`: a stage's bytes."""
+def _by_prefetch_stages(launch_of, kernel, threads, stage_bytes):
+    """{stages: outputs} of launch_of() (its outputs and its row kernel's launch record) on a device where one block
+    of `threads` threads runs `kernel` over every tile (no clusters): with the register kernel's prefetch ring as deep
+    as the device's shared memory holds, then each time on a device one byte short of the last launch's (one stage
+    fewer, or no ring: it takes 2 at least). `stage_bytes`: a stage's bytes."""
     outputs, launches = [], []
     with _device(sms=1):
         budget = None
         for _ in range(3):  # 3 stages, 2, none
-            ops.set_device(1, 512, budget, 1)
-            out, launch = _backward_launch_of(run)
-            assert "norm_backward_kernel" in launch["kernel"] and launch["grid"] == 1
+            ops.set_device(1, threads, budget, 1)
+            out, launch = launch_of()
+            assert kernel in launch["kernel"] and launch["grid"] == 1
             outputs.append(out)
             launches.append(launch)
             budget = launch["dynamic_smem"] - 1
@@ -968,7 +974,7 @@ def test_backward_prefetch_walks_tiles(kind, mask, dtype, cols):
     def backward(rows_x=x, rows_dy=dy):
         return _emulated(kind, rows_x, weight, bias, rows_dy, 1e-5, mask)[0][1:]
 
-    by_stages = _by_prefetch_stages(backward, stage)
+    by_stages = _by_prefetch_stages(lambda: _backward_launch_of(backward), "norm_backward_kernel", 512, stage)
     assert set(by_stages) == ({0, 2} if (dtype, cols) == (torch.float32, 1024) else {0, 2, 3})
     prefetched = by_stages[max(by_stages)]
     for outputs in by_stages.values():
@@ -998,10 +1004,95 @@ def test_backward_prefetch_residual_stream(kind, dtype, cols):
     def add_backward():
         return _emulated_add(kind, x, residual, weight, bias, dy, dh_out, 1e-5, torch.float32)[2:]
 
-    by_stages = _by_prefetch_stages(add_backward, stage)
+    by_stages = _by_prefetch_stages(lambda: _backward_launch_of(add_backward), "norm_backward_kernel", 512, stage)
     for outputs in by_stages.values():
         for p, u in zip(by_stages[max(by_stages)], outputs):
             assert (p is None and u is None) or torch.equal(p, u)
+
+
+# The register forward's prefetch ring (ThreadRing: each thread's vectors of x for the tiles ahead): the tiers of its
+# kernels on the default device (blocks of 128 or 256 threads).
+# (forward_ring_wanted: where the register prefetch cannot serve, and rows of a warp or less.)
+FORWARD_PREFETCH_CASES = [
+    (torch.float32, 512),  # 4 warp rows a block, 4 of a thread's 8 vector slots in the row (no register prefetch)
+    (torch.bfloat16, 512),  # warp rows of 2 vectors a thread: the register prefetch's tier, the ring instead
+    (torch.float16, 200),  # short rows: 25 vectors over 16 threads a row, 7 of their 32 slots beyond the row
+    (torch.float32, 4100),  # 1025 vectors over 256 threads of 8 slots: most beyond the row
+]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("affine,quantized", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("dtype,cols", FORWARD_PREFETCH_CASES)
+def test_forward_prefetch_walks_tiles(kind, affine, quantized, dtype, cols):
+    # Regression guard for the register forward's prefetch ring: one block walks 3 tiles and a partial fourth, each
+    # thread reading its vectors of x from the copies it made tiles ahead. Every output bitwise as with fewer stages
+    # and as without the ring (a device with no room for it), each row bitwise as the row alone, within the
+    # accuracy rule. With the quantized epilogue too (its own kernel instances).
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
+    threads = threads_per_row * rows_per_block
+    rows = 3 * rows_per_block + 3
+    x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
+
+    def forward(inputs=x):
+        return _forward_quant(kind, inputs, weight, bias) if quantized else _forward_kernel(kind, inputs, weight, bias)
+
+    by_stages = _by_prefetch_stages(forward, "norm_forward_kernel", threads, threads * items * vec * dtype.itemsize)
+    assert set(by_stages) == {0, 2, 3}
+    prefetched = by_stages[3]
+    for outputs in by_stages.values():
+        for p, u in zip(prefetched, outputs):
+            assert torch.equal(p, u)
+    with _device(sms=1):
+        ops.set_device(1, threads, None, 1)
+        for r in (0, rows_per_block, rows - 1):
+            alone, _ = forward(x[r : r + 1].clone())
+            for p, a in zip(prefetched, alone):
+                assert torch.equal(p[r : r + 1], a[:1]), f"row {r}"
+    _check_forward(kind, x, weight, bias, prefetched[0])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype,cols", [(torch.bfloat16, 512), (torch.float32, 4096)])
+def test_forward_prefetch_residual_stream(kind, dtype, cols):
+    # The fused add's forward prefetches x (its residual, read vector by vector as it is added, does not go through
+    # the ring; float32 beside bfloat16), bitwise as without the ring: y and residual_out.
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
+    threads = threads_per_row * rows_per_block
+    rows = 3 * rows_per_block + 3
+    x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)).to(torch.float32)
+
+    def add_forward():
+        return _forward_kernel(kind, x, weight, bias, residual, torch.float32)
+
+    by_stages = _by_prefetch_stages(add_forward, "norm_forward_kernel", threads, threads * items * vec * dtype.itemsize)
+    assert set(by_stages) == {0, 2, 3}
+    for outputs in by_stages.values():
+        for p, u in zip(by_stages[3], outputs):
+            assert torch.equal(p, u)
+
+
+@pytest.mark.parametrize(
+    "dtype,cols,ring",
+    [
+        (torch.bfloat16, 4096, False),  # block rows the register prefetch serves (64 bytes a thread): no ring
+        (torch.bfloat16, 512, True),  # warp rows
+        (torch.float32, 4096, True),  # block rows of 128 bytes a thread: no register prefetch
+    ],
+)
+def test_forward_ring_where_wanted(dtype, cols, ring):
+    # forward_ring_wanted, on the default (sm_90) device: the launch's shared memory beyond the weight and bias copy
+    # and the row sums' room (two floats a warp) is a ring of 3 stages or nothing.
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
+    threads = threads_per_row * rows_per_block
+    x, weight, bias, _ = _inputs(2 * rows_per_block, cols, dtype, dtype, (True, True))
+    with _device():
+        _, launch = _forward_kernel("layer", x, weight, bias)
+    assert "norm_forward_kernel" in launch["kernel"]
+    rest = 2 * cols * dtype.itemsize + (2 * 4 * (threads // 32) if threads_per_row > 32 else 0)
+    ring_bytes = launch["dynamic_smem"] - rest
+    assert 0 <= ring_bytes - (3 * threads * items * vec * dtype.itemsize if ring else 0) < 16
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
