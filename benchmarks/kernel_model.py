@@ -386,8 +386,8 @@ def emulated_shared_limit(op: str, mode: str, plan: dict, D: int, elem: int) -> 
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
     """Dynamic shared memory of the row kernel (launchers in csrc/cuda): the register kernels' (_before_ring) and
     their prefetch ring of plan["prefetch_stages"] (none until the case's facts choose it), the multi-pass kernels'
-    row sums (and the backward's partial rows); the shared-memory
-    kernel's, as the plan says (its slice of the row, and of the weight and bias where they fit)."""
+    row sums (and the backward's partial rows); the shared-memory kernel's, as the plan says (its slice of the row,
+    and of the weight and bias where they fit)."""
     if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
     return _ring_smem(op, mode, plan, D, elem, plan.get("prefetch_stages", 0))
@@ -421,14 +421,14 @@ def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
     return mode == "bwd" or plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
 
 
-def prefetched_share(mode: str, plan: dict, D: int, elem: int, bursts: int, fused: bool) -> float:
+def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool) -> float:
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
-    forward register kernels without a ring whose next row, as stored, is at most PREFETCH_BYTES a thread
-    (prefetches_next_row);
-    with bulk loads, every chunk but the last (each refilled once the last pass over it, the forward's normalize or
-    the backward's dx pass, has read it; the last at the row's end); the first of the other forward shared-memory
-    kernels' rounds (load_slice_round); all of them in the register kernels with a prefetch ring; none elsewhere."""
+    register kernels with a prefetch ring, and in the forward register kernels without one whose next row, as
+    stored, is at most PREFETCH_BYTES a thread (prefetches_next_row); with bulk loads, every chunk but the last (each
+    refilled once the last pass over it, the forward's normalize or the backward's dx pass, has read it; the last at
+    the row's end); the first of the other forward shared-memory kernels' rounds (load_slice_round); none
+    elsewhere."""
     if not bursts:
         return 0.0
     if bulk_loads(mode, plan, elem, fused):
@@ -809,7 +809,7 @@ def features(facts: dict) -> dict:
         "dsmem_ranks": s["dsmem_ranks"],
         "cluster_exchanges": s["cluster_exchanges"],
         "shared_kib": shared_sm / 1024,
-        "prefetch": prefetched_share(mode, plan, D, elem, s["bursts"], facts["fused"]),
+        "prefetch": prefetched_share(mode, plan, elem, s["bursts"], facts["fused"]),
         # the bursts in flight during a period: the register backward's ring of 3 stages holds two tiles ahead
         "prefetch_ahead": max(1, plan.get("prefetch_stages", 0) - 1),
     }
