@@ -347,28 +347,29 @@ def _ring_smem(op: str, mode: str, plan: dict, D: int, elem: int, stages: int) -
 
 
 def ring_stages(op: str, mode: str, plan: dict, D: int, elem: int, registers: int | None, static_smem: int) -> int:
-    """The launchers' choice of ring (backward_launch.h, forward_launch.h): 3 stages where the block's shared memory
-    holds them, else 2, else none; the forward's only where it is wanted (forward_ring_wanted) and where the SM
-    still holds as many blocks (its registers' occupancy, shared memory, kernel_resources.blocks_per_sm; registers
-    None: the emulated device's residency, which counts threads alone)."""
+    """The launchers' choice of ring (place_ring in launch_common.h, its callers in backward_launch.h and
+    forward_launch.h): 3 stages, else 2, the first the block's shared memory holds and its caller keeps, else none.
+    The forward's only where it is wanted (forward_ring_wanted), and it keeps a ring only where the SM still holds as
+    many blocks (its registers' occupancy and shared memory, kernel_resources.blocks_per_sm; registers None: the
+    emulated device's residency, which counts threads alone and so keeps every ring)."""
     if not ring_instance(plan, elem):
         return 0
     if mode == "fwd" and plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES and plan["threads_per_row"] > 32:
         return 0  # forward_ring_wanted: block rows that the register prefetch serves
-    threads = plan["block_threads"]
-    base = _ring_smem(op, mode, plan, D, elem, 0) + static_smem
-    resident = kernel_resources.blocks_per_sm(registers, threads, base) if registers is not None else 0
+
+    # The forward's blocks an SM without a ring, which a ring must keep (None: keep any ring that fits, the backward's
+    # rule and the emulated device's residency).
+    threads, resident = plan["block_threads"], None
+    if mode == "fwd" and registers is not None:
+        resident = kernel_resources.blocks_per_sm(
+            registers, threads, _ring_smem(op, mode, plan, D, elem, 0) + static_smem
+        )
     for stages in (3, 2):
         smem = _ring_smem(op, mode, plan, D, elem, stages)
-        if smem > H200.max_shared_per_block:
-            continue
-        if (
-            mode == "fwd"
-            and registers is not None
-            and kernel_resources.blocks_per_sm(registers, threads, smem + static_smem) != resident
+        if smem <= H200.max_shared_per_block and (
+            resident is None or kernel_resources.blocks_per_sm(registers, threads, smem + static_smem) == resident
         ):
-            continue
-        return stages
+            return stages
     return 0
 
 

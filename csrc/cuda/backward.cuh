@@ -302,7 +302,7 @@ TLN_DEVICE TileRow<acc_t> tile_row(const BackwardParams<T, W, acc_t, R>& p, cons
 
 // The register backward's next tiles, prefetched: each thread copies its row's statistics and its vectors of x and
 // dy for the tiles ahead into its own slots of a ring of `stages` stages (ThreadRing, one group a tile) while it works
-// on this tile, and waits for this tile's group when it gets there (ring_turn), so a row's loads are not a round trip
+// on this tile, and waits for this tile's group when it gets there (RingWalk), so a row's loads are not a round trip
 // to DRAM after the last row's stores. Its statistics: acc_t (stage * 2 + s) * threads + thread, after x's and dy's.
 template <typename T, typename R, int VEC, int ITEMS>
 struct TilePrefetch {
@@ -318,18 +318,6 @@ struct TilePrefetch {
 
   TLN_DEVICE float* stat(int stage, int s) const { return &stats[(int64_t{stage} * 2 + s) * x.threads + x.thread]; }
 
-  // Copies the thread's row of `tile` into `stage`: its mean (LayerNorm) and rstd, and its vectors in the row.
-  template <typename W>
-  TLN_DEVICE void copy(const BackwardParams<T, W, float, R>& p, const GroupWalk& walk, const RowLayout& layout,
-                       int64_t tile, int64_t batch_rows, int stage) const {
-    if (tile + layout.row_in_block >= batch_rows) return;
-    const int64_t row = walk.row(tile + layout.row_in_block);
-    if (p.mean != nullptr) dev::copy_async_4(stat(stage, 0), &p.mean[row]);
-    dev::copy_async_4(stat(stage, 1), &p.rstd[row]);
-    x.copy(p.x + p.x_offset(row), layout, p.cols / VEC, stage);
-    dy.copy(p.dy + row * p.cols, layout, p.cols / VEC, stage);
-  }
-
   // The thread's row of `tile`, its statistics as copied into `stage`.
   template <typename W>
   TLN_DEVICE TileRow<float> row(const BackwardParams<T, W, float, R>& p, const GroupWalk& walk, const RowLayout& layout,
@@ -340,6 +328,19 @@ struct TilePrefetch {
             active ? dev::load_shared(stat(stage, 1)) : 0.0f};
   }
 };
+
+// Copies a thread's row of `tile` into `stage` of its prefetch ring (RingWalk): its mean (LayerNorm) and rstd, and
+// its vectors in the row.
+template <typename T, typename W, typename R, int VEC, int ITEMS>
+TLN_DEVICE void copy_tile(const TilePrefetch<T, R, VEC, ITEMS>& ring, const BackwardParams<T, W, float, R>& p,
+                          const GroupWalk& walk, const RowLayout& layout, int64_t tile, int64_t batch_rows, int stage) {
+  if (tile + layout.row_in_block >= batch_rows) return;
+  const int64_t row = walk.row(tile + layout.row_in_block);
+  if (p.mean != nullptr) dev::copy_async_4(ring.stat(stage, 0), &p.mean[row]);
+  dev::copy_async_4(ring.stat(stage, 1), &p.rstd[row]);
+  ring.x.copy(p.x + p.x_offset(row), layout, p.cols / VEC, stage);
+  ring.dy.copy(p.dy + row * p.cols, layout, p.cols / VEC, stage);
+}
 
 // Rows held in registers, laid out as in the forward. A block walks the tiles
 // block, block + blocks, ...; each thread keeps its columns' weight and its
@@ -376,19 +377,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kBackwardBudget, GATED).max_threa
   const bool prefetch = stages > 0;
   const TilePrefetch<T, R, VEC, ITEMS> ring(dev::dynamic_shared<unsigned char>() + p.prefetch_offset, stages,
                                             dev::block_dim_x());
-  if constexpr (kPrefetches) {  // the tiles ahead of the first, one group each
-    for (int s = 0; s + 1 < stages; ++s) {
-      ring.copy(p, walk, layout, first_tile + s * tile_step, batch_rows, s);
-      dev::copy_async_commit();
-    }
-  }
+  const RingWalk ring_walk(ring, p, walk, layout, tile_step, batch_rows, stages);
+  if constexpr (kPrefetches) ring_walk.fill(first_tile);
   int stage = 0;
   for (int64_t tile = first_tile; tile < batch_rows; tile += tile_step, stage = next_stage(stage, stages)) {
     TileRow<acc_t> at;
     if constexpr (kPrefetches) {
-      if (prefetch) {  // the copies of the tile stages - 1 ahead (an empty group past the last), then this tile's wait
-        ring.copy(p, walk, layout, tile + (stages - 1) * tile_step, batch_rows, (stage + stages - 1) % stages);
-        ring_turn(stages);
+      if (prefetch) {
+        ring_walk.turn(tile, stage);
         at = ring.row(p, walk, layout, tile, batch_rows, stage);
       }
     }

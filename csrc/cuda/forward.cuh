@@ -369,9 +369,8 @@ TLN_DEVICE void load_tile_row(const ForwardParams<T, W, acc_t, R>& p, const RowL
 // Copies a thread's vectors of x for its row of a register kernel's tile into `stage` of its prefetch ring (none
 // beyond the rows: the group stays empty).
 template <int VEC, int ITEMS, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void copy_tile_row(const ForwardParams<T, W, acc_t, R>& p, const ThreadRing<T, VEC, ITEMS>& ring,
-                              const RowLayout& layout, const GroupWalk& walk, int64_t tile, int64_t batch_rows,
-                              int stage) {
+TLN_DEVICE void copy_tile(const ThreadRing<T, VEC, ITEMS>& ring, const ForwardParams<T, W, acc_t, R>& p,
+                          const GroupWalk& walk, const RowLayout& layout, int64_t tile, int64_t batch_rows, int stage) {
   if (tile + layout.row_in_block >= batch_rows) return;
   ring.copy(p.x + p.x_rows.offset(walk.row(tile + layout.row_in_block)), layout, p.cols / VEC, stage);
 }
@@ -408,12 +407,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
   constexpr bool kRing = ring_prefetches(VEC, sizeof(acc_t), GATED);
   const int stages = kRing ? p.prefetch_stages : 0;
   const ThreadRing<T, VEC, ITEMS> ring(shared + p.prefetch_offset, stages, dev::block_dim_x());
-  if constexpr (kRing) {  // the tiles ahead of the first, one group each
-    for (int s = 0; s + 1 < stages; ++s) {
-      copy_tile_row(p, ring, layout, walk, first_tile + s * tile_step, batch_rows, s);
-      dev::copy_async_commit();
-    }
-  }
+  const RingWalk ring_walk(ring, p, walk, layout, tile_step, batch_rows, stages);
+  if constexpr (kRing) ring_walk.fill(first_tile);
   // x as stored, converted after. (A residual is read vector by vector as it is added: float32 rows would spill
   // holding both x and the residual as stored.)
   Vec<T, VEC> raw[ITEMS];
@@ -428,11 +423,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
     const bool active = tile + layout.row_in_block < batch_rows;
     const int64_t row = walk.row(tile + layout.row_in_block);
     if constexpr (kRing) {
-      if (stages > 0) {  // the copies of the tile stages - 1 ahead (an empty group past the last), then this tile's
-        copy_tile_row(p, ring, layout, walk, tile + (stages - 1) * tile_step, batch_rows,
-                      (stage + stages - 1) % stages);
-        ring_turn(stages);
-      }
+      if (stages > 0) ring_walk.turn(tile, stage);
     }
     if (!kPrefetch && stages == 0) load_tile_row(p, layout, walk, tile, batch_rows, raw);
     acc_t v[ITEMS][VEC];

@@ -1,6 +1,7 @@
 // Vectors kept in a block's shared memory by the shared-memory kernels (forward.cuh, backward.cuh).
 #pragma once
 
+#include "gate.cuh"
 #include "launch_plan.h"
 #include "reduce.cuh"
 
@@ -102,6 +103,38 @@ TLN_DEVICE void ring_turn(int stages) {
 
 // The stage after `stage` in a ring of `stages`.
 TLN_DEVICE int next_stage(int stage, int stages) { return stage + 1 == stages ? 0 : stage + 1; }
+
+// A register kernel's walk of its prefetch ring over its tiles (first_tile, first_tile + tile_step, ... below
+// batch_rows), stages - 1 tiles ahead, one commit group a tile. copy_tile(ring, p, walk, layout, tile, batch_rows,
+// stage), beside each kernel, copies a thread's row of a tile into a stage (nothing past the last row).
+template <typename Ring, typename Params>
+struct RingWalk {
+  const Ring& ring;
+  const Params& p;
+  GroupWalk walk;
+  RowLayout layout;
+  int64_t tile_step, batch_rows;
+  int stages;
+
+  TLN_DEVICE RingWalk(const Ring& r, const Params& params, const GroupWalk& w, const RowLayout& l, int64_t step,
+                      int64_t rows, int s)
+      : ring(r), p(params), walk(w), layout(l), tile_step(step), batch_rows(rows), stages(s) {}
+
+  // Before the first tile: the tiles ahead of it, one group each.
+  TLN_DEVICE void fill(int64_t first_tile) const {
+    for (int s = 0; s + 1 < stages; ++s) {
+      copy_tile(ring, p, walk, layout, first_tile + s * tile_step, batch_rows, s);
+      dev::copy_async_commit();
+    }
+  }
+
+  // At `tile`, in `stage`: the copies of the tile stages - 1 ahead into the stage before this one (an empty group
+  // past the last tile), then this tile's wait.
+  TLN_DEVICE void turn(int64_t tile, int stage) const {
+    copy_tile(ring, p, walk, layout, tile + (stages - 1) * tile_step, batch_rows, (stage + stages - 1) % stages);
+    ring_turn(stages);
+  }
+};
 
 // Vector c of block `rank`'s copy of `sums` in its cluster (distributed shared memory).
 template <typename E, int VEC, typename acc_t>
