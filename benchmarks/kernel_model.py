@@ -202,7 +202,7 @@ def emulate(
     op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: tuple, fused: bool = False
 ) -> list[dict]:
     """The launches of one forward or backward call on an emulated device of `device` = (SMs, threads per SM[,
-    shared memory per block, cluster blocks at most]): the emulator's counters, with the traffic of the inputs x, dy,
+    shared memory per block, cluster blocks at most[, shared memory per SM counted in residency]]): the emulator's counters, with the traffic of the inputs x, dy,
     weight, bias, mean, rstd (and the fused add's residual, residual_out and its gradient) apart ("regions").
     `fused`: the residual add + norm (add_layer_norm / add_rms_norm), residual in x's dtype."""
     o = ops()
@@ -371,6 +371,22 @@ def ring_stages(op: str, mode: str, plan: dict, D: int, elem: int, registers: in
         ):
             return stages
     return 0
+
+
+def launched_row_smem(
+    op: str, mode: str, D: int, dtype: torch.dtype, plan: dict, registers: int, static_smem: int, fused: bool
+) -> int:
+    """The register row kernel's dynamic shared memory as its launcher sizes it (the weight's copy, the ring) on an
+    emulated device whose SMs hold what the H200's do: the forward's, the blocks its registers allow and the H200's
+    shared memory an SM less their static shared memory (counted in residency); the backward's, the H200's threads
+    (its ring keeps any occupancy). 16 blocks of rows, so that the backward's partial clusters are sized as at M."""
+    threads = plan["block_threads"]
+    device = (H200.sms, H200.threads_per_sm, None, H200.max_cluster_blocks)
+    if mode == "fwd":
+        held = kernel_resources.blocks_per_sm(registers, threads, static_smem)
+        device = (H200.sms, held * threads, None, H200.max_cluster_blocks)
+        device += (kernel_resources.SHARED_BYTES_PER_SM - held * static_smem,)
+    return emulate(op, mode, D, 16 * plan["rows_per_block"], dtype, device, fused)[0]["dynamic_smem"]
 
 
 def emulated_shared_limit(op: str, mode: str, plan: dict, D: int, elem: int) -> int | None:
@@ -721,15 +737,12 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
     plan["prefetch_stages"] = ring_stages(op, mode, plan, D, elem, registers, static_smem)
     smem = row_kernel_smem(op, mode, plan, D, elem) + static_smem
     per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], smem)
-    # The forward's launcher copies the weight and bias to shared memory only where that keeps the occupancy its
-    # registers allow; the emulated runs always do (the emulated device does not count shared memory).
-    if mode == "fwd" and plan["path"] == "registers":
-        staged = _before_ring(op, mode, plan, D, elem) + static_smem
-        unstaged = kernel_resources.blocks_per_sm(
-            registers, plan["block_threads"], staged - staged_params_bytes(op, D, elem)
-        )
-        assert kernel_resources.blocks_per_sm(registers, plan["block_threads"], staged) == unstaged, (
-            f"{op} {dtype_name} D={D}: the launcher would not stage the weight here"
+    # The model's mirror of the launchers' rules (the forward's weight copy, either ring) against the launchers on a
+    # device that counts shared memory as the H200 does.
+    if plan["path"] == "registers":
+        launched = launched_row_smem(op, mode, D, dtype, plan, registers, static_smem, fused)
+        assert launched + static_smem == smem, (
+            f"{op} {mode} {dtype_name} D={D}: the launcher gives {launched} bytes, the model {smem - static_smem}"
         )
     if one_wave(mode, plan):  # one wave at the kernel's occupancy (limit_to_one_wave, limit_to_resident_clusters)
         plan["blocks"] = plan_on_h200(op, mode, D, M, elem, per_sm)["blocks"]

@@ -84,11 +84,16 @@ struct BackwardArgs {
 // A contiguous tensor of `sizes` (at::empty).
 at::Tensor empty_contiguous(at::IntArrayRef sizes, const at::TensorOptions& options);
 
-// The kernels one backend provides, and how it allocates the outputs shaped like the input (y, residual_out, dx).
+// Whether the current stream of `t`'s device records a CUDA graph: never, on a backend without graphs.
+inline bool never_capturing(const at::Tensor& /*t*/) { return false; }
+
+// The kernels one backend provides, how it allocates the outputs shaped like the input (y, residual_out, dx), and
+// whether a call may synchronize with the host now (not while its stream records a CUDA graph).
 struct NormKernels {
   void (*forward)(NormKind, const ForwardArgs&);
   void (*backward)(NormKind, const BackwardArgs&);
   at::Tensor (*empty_rows)(at::IntArrayRef sizes, const at::TensorOptions& options) = &empty_contiguous;
+  bool (*capturing)(const at::Tensor& t) = &never_capturing;
 };
 
 // Registers the operator schemas into `m` (the torch_ln library, or the

@@ -101,9 +101,16 @@ void check_memory_efficient(const char* op, const std::optional<at::Tensor>& bia
 }
 
 at::Tensor inverse_weight(const char* op, const std::optional<at::Tensor>& weight, const RoundingOptions& rounding,
-                          at::ScalarType acc) {
+                          at::ScalarType acc, bool capturing) {
   if (!weight.has_value()) return {};
   const auto scale = weight->to(acc).flatten() + rounding.weight_offset;
+  if (capturing) {  // fails the graph's replay (a device-side assertion: the CUDA context with it)
+    at::_assert_async(scale.ne(0).all(),
+                      c10::str("torch_ln.", op, ": memory_efficient=True needs every weight + weight_offset nonzero ",
+                               "(weight_offset=", rounding.weight_offset, "), but a weight the captured backward read ",
+                               "had a 0; use memory_efficient=False with this weight"));
+    return scale.reciprocal().contiguous();
+  }
   const int64_t zeros = scale.eq(0).sum().item<int64_t>();
   TORCH_CHECK_VALUE(zeros == 0, "torch_ln.", op, ": memory_efficient=True recovers the normalized input from the ",
                     "output as y / (weight + weight_offset), so it needs every weight + weight_offset nonzero, but ",

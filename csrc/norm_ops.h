@@ -71,9 +71,10 @@ std::pair<at::Tensor, RowStrides> strided_rows(const at::Tensor& input, int64_t 
 void check_memory_efficient(const char* op, const std::optional<at::Tensor>& bias);
 // 1 / (weight + offset) in `acc` ([D] contiguous; undefined without a weight), by which the backward multiplies y
 // (no division in the kernels: float64's slow-path call spilled a register kernel at its cap). Every weight + offset
-// must be nonzero: checked here (on CUDA, a reduction over the weight and one host synchronization).
+// must be nonzero: checked here, on the host (on CUDA, a reduction over the weight and one host synchronization), or,
+// where `capturing` (a CUDA graph records the call, which forbids synchronizing), by an assertion on the device.
 at::Tensor inverse_weight(const char* op, const std::optional<at::Tensor>& weight, const RoundingOptions& rounding,
-                          at::ScalarType acc);
+                          at::ScalarType acc, bool capturing);
 
 // The forward's optional residual add: the residual and the dtype of residual_out.
 struct ResidualAdd {
@@ -214,7 +215,8 @@ BackwardOutputs run_backward(NormKind kind, const char* op, const at::Tensor& gr
   if (from_output) {
     check_memory_efficient(op, bias);
     a.from_output = true;
-    a.inverse_weight = inverse_weight(op, weight, rounding, a.rstd.scalar_type());
+    a.inverse_weight = inverse_weight(op, weight, rounding, a.rstd.scalar_type(),
+                                      weight.has_value() && Backend::kernels.capturing(*weight));
   }
   if (output_mask[0]) a.dx = Backend::kernels.empty_rows(input.sizes(), input.options());
   const bool want_dweight = output_mask[1] && weight.has_value();

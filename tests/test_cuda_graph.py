@@ -1,7 +1,8 @@
 """torch_ln's operators captured in a CUDA graph (issue 36, item 5: decode-time calls run under graphs): the forward,
 and the forward with its backward through torch.autograd.grad, of layer_norm, rms_norm, add_layer_norm and
-add_rms_norm, captured once, then replayed with new values copied into the static inputs; every replay's outputs
-must equal, bitwise, an eager call on the same input tensors. GPU-only: every test skips without CUDA.
+add_rms_norm (and memory_efficient=True's backward), captured once, then replayed with new values copied into the
+static inputs; every replay's outputs must equal, bitwise, an eager call on the same input tensors. GPU-only: every
+test skips without CUDA.
 
 The eager reference runs on the graph's own static tensors, so that both see the same addresses (a launch plan may
 depend on alignment: batch invariance promises results that depend on D, dtype, alignment and the device only).
@@ -141,6 +142,27 @@ def test_cuda_graph_forward_backward(op, M, D, dtype):
 
     def step() -> list[torch.Tensor]:
         return _forward_backward(op, static, list(incoming.values()))
+
+    graph, outputs = _capture(step)
+    _replay_and_compare(graph, outputs, step, {**static, **incoming}, seed=1)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_cuda_graph_memory_efficient_backward(op):
+    """memory_efficient=True (no bias): its backward reads y and checks the weight for zeros; while the graph
+    records, that check runs on the device (a host synchronization would end the capture)."""
+    M, D, dtype = 8, 4096, torch.bfloat16
+    static = {"x": torch.empty(M, D, device="cuda", dtype=dtype).requires_grad_()}
+    static["weight"] = torch.empty(D, device="cuda", dtype=dtype).requires_grad_()
+    incoming = {"dy": torch.empty(M, D, device="cuda", dtype=dtype)}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    _fill(static, generator)
+    _fill(incoming, generator)
+    norm = torch_ln.layer_norm if op == "layer_norm" else torch_ln.rms_norm
+
+    def step() -> list[torch.Tensor]:
+        y = norm(static["x"], (D,), static["weight"], memory_efficient=True)
+        return [y.detach(), *torch.autograd.grad([y], list(static.values()), [incoming["dy"]])]
 
     graph, outputs = _capture(step)
     _replay_and_compare(graph, outputs, step, {**static, **incoming}, seed=1)

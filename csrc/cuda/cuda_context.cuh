@@ -32,8 +32,8 @@ inline int largest_cluster(const cudaDeviceProp& props) {
   if (known_here.load(std::memory_order_relaxed) == 0) {
     const size_t whole_sm = props.sharedMemPerBlockOptin;  // one block an SM
     dev::allow_dynamic_shared(detail::cluster_probe_kernel, whole_sm, whole_sm);
-    const int clusters = dev::resident_clusters(detail::cluster_probe_kernel, kMaxClusterBlocks, dev::kWarpSize,
-                                                whole_sm, props.multiProcessorCount, props.maxThreadsPerMultiProcessor);
+    const int clusters =
+        dev::resident_clusters(detail::cluster_probe_kernel, kMaxClusterBlocks, dev::kWarpSize, whole_sm, {});
     known_here.store(clusters > 0 ? kMaxClusterBlocks : kPortableClusterBlocks, std::memory_order_relaxed);
   }
   return known_here.load(std::memory_order_relaxed);
@@ -43,7 +43,7 @@ struct CudaLaunchContext {
   explicit CudaLaunchContext(const at::Tensor& input) : guard(input.device()) {
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin,
-              largest_cluster(*props)};
+              largest_cluster(*props), props->sharedMemPerMultiprocessor};
     stream = at::cuda::getCurrentCUDAStream();
   }
 

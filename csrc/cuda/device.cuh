@@ -4,9 +4,12 @@
 // the test-only emulated build.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
+
+#include "launch_plan.h"
 
 #if defined(__CUDACC__)
 
@@ -289,7 +292,7 @@ TLN_DEVICE double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 // an SM of the current device holds at once, by the kernel's registers and
 // shared memory (the occupancy API).
 template <typename... Params>
-int resident_blocks_per_sm(void (*kernel)(Params...), int threads, size_t smem_bytes, int /*max_threads_per_sm*/) {
+int resident_blocks_per_sm(void (*kernel)(Params...), int threads, size_t smem_bytes, const DeviceLimits& /*device*/) {
   int blocks = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes));
   return blocks;
@@ -330,8 +333,8 @@ inline cudaLaunchConfig_t cluster_config(Dim3 grid, Dim3 block, size_t smem_byte
 // How many clusters of `cluster` blocks (of `threads` threads and `smem_bytes` each) the device holds at once.
 // Clusters of more than 8 blocks (the portable size) need the kernel's opt-in first (sm_90: up to 16).
 template <typename... Params>
-int resident_clusters(void (*kernel)(Params...), unsigned cluster, int threads, size_t smem_bytes, int /*num_sms*/,
-                      int /*max_threads_per_sm*/) {
+int resident_clusters(void (*kernel)(Params...), unsigned cluster, int threads, size_t smem_bytes,
+                      const DeviceLimits& /*device*/) {
   if (cluster > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchAttribute attribute{};
   const cudaLaunchConfig_t config =
@@ -506,20 +509,24 @@ T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
   return a * b;
 }
 
-// The emulated device has no registers to count: blocks are limited by its threads per SM alone.
+// The emulated device has no registers to count: blocks are limited by its threads per SM and, where the device
+// sets it, its shared memory per SM (each block's own and the hardware's reserve).
 template <typename... Params>
-int resident_blocks_per_sm(void (*)(Params...), int threads, size_t, int max_threads_per_sm) {
-  return max_threads_per_sm / threads;
+int resident_blocks_per_sm(void (*)(Params...), int threads, size_t smem_bytes, const DeviceLimits& device) {
+  const int by_threads = device.max_threads_per_sm / threads;
+  if (device.shared_per_sm == 0) return by_threads;
+  return std::min(by_threads, static_cast<int>(device.shared_per_sm / (smem_bytes + kReservedSharedPerBlock)));
 }
 
 // The emulated launch takes any size: the launchers keep within DeviceLimits::max_shared_per_block themselves.
 template <typename... Params>
 void allow_dynamic_shared(void (*)(Params...), size_t, size_t) {}
 
-// Blocks by threads per SM alone, as resident_blocks_per_sm.
+// Blocks an SM as resident_blocks_per_sm.
 template <typename... Params>
-int resident_clusters(void (*)(Params...), unsigned cluster, int threads, size_t, int num_sms, int max_threads_per_sm) {
-  return num_sms * (max_threads_per_sm / threads) / static_cast<int>(cluster);
+int resident_clusters(void (*kernel)(Params...), unsigned cluster, int threads, size_t smem_bytes,
+                      const DeviceLimits& device) {
+  return device.num_sms * resident_blocks_per_sm(kernel, threads, smem_bytes, device) / static_cast<int>(cluster);
 }
 
 template <typename... Params, typename... Args>

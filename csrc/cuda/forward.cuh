@@ -165,10 +165,8 @@ TLN_DEVICE acc_t stored_abs_max(const ForwardParams<T, W, acc_t, R>& p, int64_t 
                                 acc_t rstd, const Params& params) {
   acc_t out[VEC];
   normalize(p, c, v, mean, rstd, params, out);
-  acc_t amax = acc_t(0);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) amax = fold_abs_max(amax, static_cast<acc_t>(stored_float<T>(out[j])));
-  return amax;
+  float stored[VEC];
+  return stored_floats<T>(out, stored);
 }
 
 // Whether the row's scale is dynamic per row (per token): its amax is reduced over the row before any vector is
@@ -204,12 +202,7 @@ TLN_DEVICE void store_quantized(const ForwardParams<T, W, acc_t, R>& p, int64_t 
     if (p.y != nullptr) store_vec<VEC>(p.y + row * p.cols, c * VEC, out);
   }
   float stored[VEC];
-  acc_t amax = acc_t(0);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) {
-    stored[j] = stored_float<T>(out[j]);
-    amax = fold_abs_max(amax, static_cast<acc_t>(stored[j]));
-  }
+  const acc_t amax = stored_floats<T>(out, stored);
   float inverse = row_inverse;
   if (p.quant_group_lanes > 0) {
     const float scale =

@@ -113,13 +113,12 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
     size_t smem = scratch;
     if (!plan.multipass()) {  // one wave of blocks, each walking many rows (the multi-pass kernel: a block a row)
       const int threads = plan.block_threads();
-      const int blocks_per_sm = dev::resident_blocks_per_sm(kernel, threads, scratch, limits.max_threads_per_sm);
+      const int blocks_per_sm = dev::resident_blocks_per_sm(kernel, threads, scratch, limits);
       // The weight and bias from a copy in shared memory, made once per block, where the device has room for it
       // without fewer blocks resident than the registers allow (every D on sm_90; not on GPUs with less).
       if (staged > 0 && scratch + staged <= limits.max_shared_per_block) {
         dev::allow_dynamic_shared(kernel, scratch + staged, limits.max_shared_per_block);
-        p.staged_params =
-            dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits.max_threads_per_sm) == blocks_per_sm;
+        p.staged_params = dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits) == blocks_per_sm;
         if (p.staged_params) smem += staged;
       }
       // The prefetch ring after that (ThreadRing: per stage, each thread's vectors of x), where it is wanted and the
@@ -129,7 +128,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
         const size_t stage_bytes = static_cast<size_t>(threads) * plan.items * plan.vec * sizeof(T);
         const RingPlacement ring = place_ring(smem, stage_bytes, limits, [&](size_t total) {
           dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
-          return dev::resident_blocks_per_sm(kernel, threads, total, limits.max_threads_per_sm) == blocks_per_sm;
+          return dev::resident_blocks_per_sm(kernel, threads, total, limits) == blocks_per_sm;
         });
         p.prefetch_stages = ring.stages;
         p.prefetch_offset = ring.offset;

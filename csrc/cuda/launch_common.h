@@ -149,9 +149,8 @@ void size_cluster_grid(Kernel kernel, RowPlan& plan, int64_t units, size_t smem,
   const int threads = plan.block_threads();
   dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
   const int64_t resident =
-      cluster == 1 ? int64_t{limits.num_sms} *
-                         std::max(1, dev::resident_blocks_per_sm(kernel, threads, smem, limits.max_threads_per_sm))
-                   : dev::resident_clusters(kernel, cluster, threads, smem, limits.num_sms, limits.max_threads_per_sm);
+      cluster == 1 ? int64_t{limits.num_sms} * std::max(1, dev::resident_blocks_per_sm(kernel, threads, smem, limits))
+                   : dev::resident_clusters(kernel, cluster, threads, smem, limits);
   limit_to_resident_clusters(plan, units, resident, cluster);
 }
 

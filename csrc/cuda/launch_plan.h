@@ -15,7 +15,13 @@ struct DeviceLimits {
   int max_threads_per_sm;
   size_t max_shared_per_block;  // dynamic shared memory a block may have (opted in beyond 48 KB)
   int max_cluster_blocks;       // blocks a cluster may have: 16 on sm_90 (if one fits), else 8, 1 without clusters
+  // Shared memory an SM holds for its resident blocks (0: not counted). On a GPU the occupancy API counts it; the
+  // emulated device counts it in residency only where a test or the kernel model sets it.
+  size_t shared_per_sm = 0;
 };
+
+// Shared memory the hardware reserves for each resident block beside its own (sm_80 and later: 1 KB).
+constexpr size_t kReservedSharedPerBlock = 1024;
 
 constexpr int kVectorBytes = 16;  // one 128-bit load or store
 constexpr int kSmallItems = 2;    // vectors per thread for short rows

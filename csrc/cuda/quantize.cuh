@@ -22,6 +22,18 @@ TLN_DEVICE float stored_float(acc_t v) {
   return static_cast<float>(static_cast<T>(v));
 }
 
+// VEC values of y as stored (stored_float) into `stored`, and their amax.
+template <typename T, int VEC, typename acc_t>
+TLN_DEVICE acc_t stored_floats(const acc_t (&v)[VEC], float (&stored)[VEC]) {
+  acc_t amax = acc_t(0);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    stored[j] = stored_float<T>(v[j]);
+    amax = fold_abs_max(amax, static_cast<acc_t>(stored[j]));
+  }
+  return amax;
+}
+
 // Stores the codes of VEC consecutive values of y (element offset i of q) scaled by inverse_scale.
 template <int VEC>
 TLN_DEVICE void store_codes(const QuantOutput& out, int64_t i, const float (&y)[VEC], float inverse_scale) {

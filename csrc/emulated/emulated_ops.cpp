@@ -21,15 +21,28 @@ DeviceLimits& emulated_device() {
   return limits;
 }
 
+namespace {
+
+// Whether the emulated stream records a CUDA graph (set_capturing): the operators take their capture-safe checks.
+bool capturing_now = false;
+
+bool emulated_stream_capturing(const at::Tensor& /*t*/) { return capturing_now; }
+
+void set_capturing(bool on) { capturing_now = on; }
+
+}  // namespace
+
 struct EmulatedBackend {
-  static constexpr NormKernels kernels{&emulated_norm_forward, &emulated_norm_backward};
+  static constexpr NormKernels kernels{&emulated_norm_forward, &emulated_norm_backward, &empty_contiguous,
+                                       &emulated_stream_capturing};
 };
 
 namespace {
 
-// max_shared_per_block and max_cluster_blocks: the default device's when not given.
+// max_shared_per_block and max_cluster_blocks: the default device's when not given; shared_per_sm: not counted in
+// residency when not given.
 void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64_t> shared,
-                std::optional<int64_t> cluster) {
+                std::optional<int64_t> cluster, std::optional<int64_t> shared_per_sm) {
   const int64_t max_shared_per_block =
       shared.has_value() ? *shared : static_cast<int64_t>(kEmulatedDevice.max_shared_per_block);
   const int64_t max_cluster_blocks = cluster.has_value() ? *cluster : kEmulatedDevice.max_cluster_blocks;
@@ -38,8 +51,11 @@ void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64
               ", max_threads_per_sm=", max_threads_per_sm, ", max_shared_per_block=", max_shared_per_block);
   TORCH_CHECK(max_cluster_blocks >= 1 && max_cluster_blocks <= kMaxClusterBlocks,
               "set_device: expected max_cluster_blocks in [1, ", kMaxClusterBlocks, "], got ", max_cluster_blocks);
+  const int64_t sm_shared = shared_per_sm.value_or(0);
+  TORCH_CHECK(sm_shared >= 0, "set_device: expected shared_per_sm >= 0, got ", sm_shared);
   emulated_device() = {static_cast<int>(num_sms), static_cast<int>(max_threads_per_sm),
-                       static_cast<size_t>(max_shared_per_block), static_cast<int>(max_cluster_blocks)};
+                       static_cast<size_t>(max_shared_per_block), static_cast<int>(max_cluster_blocks),
+                       static_cast<size_t>(sm_shared)};
 }
 
 // The plan the launchers make on the emulated device (rows without a residual, `param_rows` of weight and bias in
@@ -124,9 +140,10 @@ void set_regions(std::vector<std::string> names, std::vector<at::Tensor> tensors
 TORCH_LIBRARY(torch_ln_emulated, m) {
   define_norm_schemas(m);
   m.def(
-      "set_device(int num_sms, int max_threads_per_sm, int? max_shared_per_block=None, int? max_cluster_blocks=None) "
-      "-> ()",
+      "set_device(int num_sms, int max_threads_per_sm, int? max_shared_per_block=None, int? max_cluster_blocks=None, "
+      "int? shared_per_sm=None) -> ()",
       &set_device);
+  m.def("set_capturing(bool on) -> ()", &set_capturing);
   m.def(
       "plan(str direction, int rows, int cols, int elem_bytes, bool vectorizable, int blocks_per_sm=0, "
       "int param_rows=0) -> int[]",

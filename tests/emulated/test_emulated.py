@@ -200,10 +200,11 @@ BACKWARD_LONG_COLS = [8200, 8209]
 
 
 @contextlib.contextmanager
-def _device(shared=None, cluster=None, sms=2):
-    """The emulated device (`sms` SMs of 2048 threads) with `shared` bytes of shared memory a block and clusters of
-    up to `cluster` blocks (None: an sm_90's 227 KB and 8)."""
-    ops.set_device(sms, 2048, shared, cluster)
+def _device(shared=None, cluster=None, sms=2, threads=2048, shared_per_sm=None):
+    """The emulated device (`sms` SMs of `threads` threads) with `shared` bytes of shared memory a block and clusters
+    of up to `cluster` blocks (None: an sm_90's 227 KB and 8); `shared_per_sm` bytes of shared memory an SM bound its
+    resident blocks (None: threads alone do)."""
+    ops.set_device(sms, threads, shared, cluster, shared_per_sm)
     try:
         yield
     finally:
@@ -1095,6 +1096,68 @@ def test_forward_ring_where_wanted(dtype, cols, ring):
     assert 0 <= ring_bytes - (3 * threads * items * vec * dtype.itemsize if ring else 0) < 16
 
 
+# The forward register kernel's occupancy rules (forward_launch.h): the weight and bias copy, then the prefetch ring of
+# 3 stages or else 2, each only where the SM's shared memory still keeps as many blocks as its threads allow (here 4).
+# Float32 D=4096: block rows of 128 bytes a thread, which the ring serves. Each case's SM holds exactly what it names.
+FORWARD_RESIDENCY_CASES = ["copy and 3 stages", "copy and 2 stages", "copy alone", "neither"]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("holds", FORWARD_RESIDENCY_CASES)
+def test_forward_shared_memory_keeps_residency(kind, holds):
+    dtype, cols, blocks = torch.float32, 4096, 4
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
+    threads = threads_per_row * rows_per_block
+    scratch = 2 * 4 * (threads // 32) if threads_per_row > 32 else 0  # the row sums' room: two floats a warp
+    copy = (2 if kind == "layer" else 1) * cols * dtype.itemsize
+    stage = threads * items * vec * dtype.itemsize
+    ring_at = -(-(scratch + copy) // 16) * 16
+    launched = {
+        "copy and 3 stages": ring_at + 3 * stage,
+        "copy and 2 stages": ring_at + 2 * stage,
+        "copy alone": scratch + copy,
+        "neither": scratch,
+    }[holds]
+    # One byte short of the next rule's bytes for `blocks` blocks, each with the hardware's 1 KB reserve.
+    shared_per_sm = blocks * (launched + 1024) if holds != "neither" else blocks * (scratch + copy + 1024) - 1
+    rows = 3 * blocks * rows_per_block
+    x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    bias = bias if kind == "layer" else None
+    with _device(sms=1, threads=blocks * threads, shared_per_sm=shared_per_sm):
+        (y,), launch = _forward_kernel(kind, x, weight, bias)
+    with _device(sms=1, threads=blocks * threads):
+        (roomy,), roomy_launch = _forward_kernel(kind, x, weight, bias)
+    assert "norm_forward_kernel" in launch["kernel"]
+    assert launch["dynamic_smem"] == launched and roomy_launch["dynamic_smem"] == ring_at + 3 * stage
+    assert launch["grid"] == blocks  # every rule kept the 4 blocks the threads allow
+    assert torch.equal(y, roomy)
+    _check_forward(kind, x, weight, bias, y)
+
+
+def test_shared_memory_bounds_the_grid():
+    # The register grid: one wave of the blocks each SM keeps, here 2 by shared memory (the row sums' room and the
+    # reserve; no room for the weight's copy or a ring then) though 16 by threads.
+    cols = 2048
+    _, _, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, 4, True, 0, 2)
+    threads = threads_per_row * rows_per_block
+    assert threads_per_row > 32  # block rows: the kernel has row sums' room
+    scratch = 2 * 4 * (threads // 32)
+    x, weight, bias, _ = _inputs(64 * rows_per_block, cols, torch.float32, torch.float32, (True, True))
+    with _device(sms=2, threads=16 * threads, shared_per_sm=3 * (scratch + 1024) - 1):
+        (y,), launch = _forward_kernel("layer", x, weight, bias)
+    assert launch["dynamic_smem"] == scratch and launch["grid"] == 2 * 2
+    _check_forward("layer", x, weight, bias, y)
+    # The shared-memory kernel on an sm_90's 228 KB an SM: one block of a 16392-wide float32 row and its copy of the
+    # weight and bias (about 200 KB) an SM.
+    cols = 16392
+    x, weight, bias, _ = _inputs(8, cols, torch.float32, torch.float32, (True, True))
+    with _device(sms=2, shared_per_sm=228 * 1024):
+        (y,), launch = _forward_kernel("layer", x, weight, bias)
+    assert "shared" in launch["kernel"] and launch["cluster"] == 1
+    assert 228 * 1024 // (launch["dynamic_smem"] + 1024) == 1 and launch["grid"] == 2
+    _check_forward("layer", x, weight, bias, y)
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("cols", [7, 64, 2048, 9000])
 def test_batch_invariant(kind, cols):
@@ -1419,6 +1482,36 @@ def test_backward_from_output(kind, dtype, affine, rows, cols):
         # weight + 1 away from 0 (N(0, 1) draws hold -1 exactly in bfloat16: refused, test_memory_efficient.py)
         shifted = (weight.double().abs() - 0.5).to(dtype)
         _check_against_torch(kind, x, shifted, bias, dy, from_output=True, weight_offset=1.0)
+
+
+@pytest.fixture
+def _capturing():
+    """The emulated stream records a CUDA graph (set_capturing) for the test."""
+    ops.set_capturing(True)
+    try:
+        yield
+    finally:
+        ops.set_capturing(False)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_from_output_while_capturing(kind, _capturing):
+    """While a CUDA graph records, the backward from y cannot count the weight's zeros on the host (a host
+    synchronization, which capture forbids): it asserts on the device instead (at::_assert_async; on the CPU the
+    assertion raises at once, a RuntimeError with the message, where the host check raises a ValueError). The
+    gradients are the same as outside a capture."""
+    x, weight, _, dy = _inputs(6, 1024, torch.float32, torch.float32, (True, False))
+    captured, _ = _emulated(kind, x, weight, None, dy, 1e-5, from_output=True)
+    ops.set_capturing(False)
+    eager, _ = _emulated(kind, x, weight, None, dy, 1e-5, from_output=True)
+    for c, e in zip(captured, eager, strict=True):
+        assert (c is None and e is None) or torch.equal(c, e)
+    ops.set_capturing(True)
+    zeroed = weight.clone()
+    zeroed[7] = -1.0
+    with pytest.raises(RuntimeError, match=r"memory_efficient=True needs every weight \+ weight_offset nonzero") as e:
+        _emulated(kind, x, zeroed, None, dy, 1e-5, from_output=True, weight_offset=1.0)
+    assert not isinstance(e.value, ValueError)  # the device-side form, not the host check
 
 
 # Quantized outputs (issue 37): the forward kernel writes y (a temporary unless return_unquantized), then the
