@@ -27,8 +27,9 @@
 #   device run: bash scripts/gpu_check.sh build tests sanitizer     (timeout_s ~ 590)
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
-# Phase `ab` (named only, after bench; carry gpu_build_experiment too): torch_ln's backward under each A/B switch of
-# scripts/experiment_overrides.diff (the prefetch rings' stages, the bulk loads), ~4.5 min at most.
+# Phase `ab` (named only, after bench; carry gpu_build_experiment too): torch_ln's forward and backward under each A/B
+# switch of scripts/experiment_overrides.diff (the prefetch rings' stages, the bulk loads, the forward's rows a block,
+# its weight copy), ~6 min at most.
 # The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
 # scripts/experiment_overrides.diff (its own diff no longer applies to these kernels; tests/test_gpu_scripts.py checks
 # that this one does): make it here as well,
@@ -215,6 +216,10 @@ if wants ab; then
     # The shared-memory kernels' bulk loads (SliceRing).
     ab bulk_main 45 "32768 262144" "fwd bwd"
     ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1
+    # The forward's register rows in blocks of 512 threads (one weight copy an SM, a ring beside it; the kernel model's
+    # LayerNorm float32 D=4096 76.7 -> 99.6 %), and the ring without the copy (main: ring_main above).
+    ab rows_512 40 "512 4096 8192" "fwd" TLN_X_ROWS_BLOCK_THREADS=512
+    ab stage_none 40 "4096 8192" "fwd" TLN_X_NO_STAGE=1
   fi
   pack
 fi
