@@ -23,10 +23,12 @@ case "${1:-}" in
     ;;
   test)
     "$PYTHON" -m pytest tests --ignore=tests/emulated --ignore=tests/gates
-    # The emulated kernels under AddressSanitizer (its runtime has to be loaded first) and the emulator's
-    # shared-memory race check. A launch runs on one OS thread (its emulated threads are fibers): one pytest
-    # worker per core.
-    LD_PRELOAD="$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 TORCH_LN_RACECHECK=1 \
+    # The emulated kernels under AddressSanitizer (its runtime has to be loaded first; libstdc++ right after it, or
+    # ASan's __cxa_throw interceptor finds no real one and any C++ exception, torch's included, aborts the process)
+    # and the emulator's shared-memory race check. A launch runs on one OS thread (its emulated threads are fibers):
+    # one pytest worker per core.
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" ASAN_OPTIONS=detect_leaks=0 \
+      TORCH_LN_RACECHECK=1 \
       TORCH_LN_REQUIRE_SANITIZERS=1 "$PYTHON" -m pytest tests/emulated -n auto
     # Again under gcov, then the gates: every sm_90 kernel instantiation (ptxas) free of spills,
     # launched by those tests, and every branch arm of the kernels taken.

@@ -1512,6 +1512,8 @@ def test_backward_from_output_while_capturing(kind, _capturing):
     with pytest.raises(RuntimeError, match=r"memory_efficient=True needs every weight \+ weight_offset nonzero") as e:
         _emulated(kind, x, zeroed, None, dy, 1e-5, from_output=True, weight_offset=1.0)
     assert not isinstance(e.value, ValueError)  # the device-side form, not the host check
+    # (The first C++ exception that an emulated test raises: under the preloaded ASan it aborted the worker until
+    # scripts/run.sh preloaded libstdc++ beside it.)
 
 
 # Quantized outputs (issue 37): the forward kernel writes y (a temporary unless return_unquantized), then the
