@@ -202,8 +202,9 @@ def emulate(
     op: str, mode: str, D: int, rows: int, dtype: torch.dtype, device: tuple, fused: bool = False
 ) -> list[dict]:
     """The launches of one forward or backward call on an emulated device of `device` = (SMs, threads per SM[,
-    shared memory per block, cluster blocks at most[, shared memory per SM counted in residency]]): the emulator's counters, with the traffic of the inputs x, dy,
-    weight, bias, mean, rstd (and the fused add's residual, residual_out and its gradient) apart ("regions").
+    shared memory per block, cluster blocks at most[, shared memory per SM counted in residency]]): the emulator's
+    counters, with the traffic of the inputs x, dy, weight, bias, mean, rstd (and the fused add's residual,
+    residual_out and its gradient) apart ("regions").
     `fused`: the residual add + norm (add_layer_norm / add_rms_norm), residual in x's dtype."""
     o = ops()
     x, weight, bias, dy, residual, dh = _inputs(op, D, rows, dtype)
@@ -381,18 +382,20 @@ def launched_row_smem(
     shared memory an SM less their static shared memory (counted in residency); the backward's, the H200's threads
     (its ring keeps any occupancy). 16 blocks of rows, so that the backward's partial clusters are sized as at M."""
     threads = plan["block_threads"]
-    device = (H200.sms, H200.threads_per_sm, None, H200.max_cluster_blocks)
     if mode == "fwd":
         held = kernel_resources.blocks_per_sm(registers, threads, static_smem)
-        device = (H200.sms, held * threads, None, H200.max_cluster_blocks)
-        device += (kernel_resources.SHARED_BYTES_PER_SM - held * static_smem,)
+        shared_per_sm = kernel_resources.SHARED_BYTES_PER_SM - held * static_smem
+        device = (H200.sms, held * threads, None, H200.max_cluster_blocks, shared_per_sm)
+    else:
+        device = (H200.sms, H200.threads_per_sm, None, H200.max_cluster_blocks)
     return emulate(op, mode, D, 16 * plan["rows_per_block"], dtype, device, fused)[0]["dynamic_smem"]
 
 
 def emulated_shared_limit(op: str, mode: str, plan: dict, D: int, elem: int) -> int | None:
     """The emulated device's max_shared_per_block under which its launchers pick plan["prefetch_stages"] as the
-    H200's do: the emulated device does not count shared memory in its residency (device.cuh), so a forward ring
-    the H200 refuses for its occupancy is refused here by room. None: the H200's own limit."""
+    H200's do: the traffic runs keep one block an SM (their (rows, blocks) points must stay apart for the fit), so
+    they cannot take the H200's residency (set_device's shared_per_sm), and a forward ring the H200 refuses for its
+    occupancy is refused here by room. None: the H200's own limit."""
     stages = plan.get("prefetch_stages", 0)
     if mode != "fwd" or not ring_instance(plan, elem) or stages == 3:
         return None

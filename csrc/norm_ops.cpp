@@ -109,13 +109,13 @@ at::Tensor inverse_weight(const char* op, const std::optional<at::Tensor>& weigh
                       c10::str("torch_ln.", op, ": memory_efficient=True needs every weight + weight_offset nonzero ",
                                "(weight_offset=", rounding.weight_offset, "), but a weight the captured backward read ",
                                "had a 0; use memory_efficient=False with this weight"));
-    return scale.reciprocal().contiguous();
+  } else {
+    const int64_t zeros = scale.eq(0).sum().item<int64_t>();
+    TORCH_CHECK_VALUE(zeros == 0, "torch_ln.", op, ": memory_efficient=True recovers the normalized input from the ",
+                      "output as y / (weight + weight_offset), so it needs every weight + weight_offset nonzero, but ",
+                      zeros, " of ", scale.numel(), " are 0 (weight_offset=", rounding.weight_offset,
+                      "); use memory_efficient=False with this weight");
   }
-  const int64_t zeros = scale.eq(0).sum().item<int64_t>();
-  TORCH_CHECK_VALUE(zeros == 0, "torch_ln.", op, ": memory_efficient=True recovers the normalized input from the ",
-                    "output as y / (weight + weight_offset), so it needs every weight + weight_offset nonzero, but ",
-                    zeros, " of ", scale.numel(), " are 0 (weight_offset=", rounding.weight_offset,
-                    "); use memory_efficient=False with this weight");
   return scale.reciprocal().contiguous();
 }
 

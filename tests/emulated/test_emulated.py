@@ -1074,6 +1074,11 @@ def test_forward_prefetch_residual_stream(kind, dtype, cols):
             assert torch.equal(p, u)
 
 
+def _row_sums_bytes(threads_per_row, threads):
+    """The forward register kernel's room for its row sums (two floats a warp), for rows over a warp; none else."""
+    return 2 * 4 * (threads // 32) if threads_per_row > 32 else 0
+
+
 @pytest.mark.parametrize(
     "dtype,cols,ring",
     [
@@ -1091,7 +1096,7 @@ def test_forward_ring_where_wanted(dtype, cols, ring):
     with _device():
         _, launch = _forward_kernel("layer", x, weight, bias)
     assert "norm_forward_kernel" in launch["kernel"]
-    rest = 2 * cols * dtype.itemsize + (2 * 4 * (threads // 32) if threads_per_row > 32 else 0)
+    rest = 2 * cols * dtype.itemsize + _row_sums_bytes(threads_per_row, threads)
     ring_bytes = launch["dynamic_smem"] - rest
     assert 0 <= ring_bytes - (3 * threads * items * vec * dtype.itemsize if ring else 0) < 16
 
@@ -1108,7 +1113,7 @@ def test_forward_shared_memory_keeps_residency(kind, holds):
     dtype, cols, blocks = torch.float32, 4096, 4
     vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
     threads = threads_per_row * rows_per_block
-    scratch = 2 * 4 * (threads // 32) if threads_per_row > 32 else 0  # the row sums' room: two floats a warp
+    scratch = _row_sums_bytes(threads_per_row, threads)
     copy = (2 if kind == "layer" else 1) * cols * dtype.itemsize
     stage = threads * items * vec * dtype.itemsize
     ring_at = -(-(scratch + copy) // 16) * 16
@@ -1141,7 +1146,7 @@ def test_shared_memory_bounds_the_grid():
     _, _, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, 4, True, 0, 2)
     threads = threads_per_row * rows_per_block
     assert threads_per_row > 32  # block rows: the kernel has row sums' room
-    scratch = 2 * 4 * (threads // 32)
+    scratch = _row_sums_bytes(threads_per_row, threads)
     x, weight, bias, _ = _inputs(64 * rows_per_block, cols, torch.float32, torch.float32, (True, True))
     with _device(sms=2, threads=16 * threads, shared_per_sm=3 * (scratch + 1024) - 1):
         (y,), launch = _forward_kernel("layer", x, weight, bias)
