@@ -741,9 +741,14 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
     smem = row_kernel_smem(op, mode, plan, D, elem) + static_smem
     per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], smem)
     # The model's mirror of the launchers' rules (the forward's weight copy, either ring) against the launchers on a
-    # device that counts shared memory as the H200 does.
-    if plan["path"] == "registers":
-        launched = launched_row_smem(op, mode, D, dtype, plan, registers, static_smem, fused)
+    # device that counts shared memory as the H200 does; the shared-memory path's plan (the emulated plan(), which
+    # once passed its layout shifted arguments) against the probe's launch, on the H200's shared memory a block.
+    if plan["path"] != "multipass":
+        launched = (
+            launched_row_smem(op, mode, D, dtype, plan, registers, static_smem, fused)
+            if plan["path"] == "registers"
+            else probe[0]["dynamic_smem"]
+        )
         assert launched + static_smem == smem, (
             f"{op} {mode} {dtype_name} D={D}: the launcher gives {launched} bytes, the model {smem - static_smem}"
         )

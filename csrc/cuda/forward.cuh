@@ -514,11 +514,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
       store_quantized_strided<VEC>(
           p, row, 0, nvec, mean, rstd, params, [&](int64_t c, acc_t(&w)[VEC]) { load_stored(p, row, c * VEC, w); },
           dev::thread_x() == 0, [&](acc_t amax) { return row_reduce(amax, threads, smem, AbsMax{}); });
-      continue;
-    }
-    for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
-      load_stored<GATED>(p, row, c * VEC, v);
-      normalize_and_store<GATED>(p, row, c, v, mean, rstd, params);
+    } else {  // (not a `continue` above: nvcc found the loop below unreachable in the QUANTIZED instances, #128-D)
+      for (int64_t c = dev::thread_x(); c < nvec; c += threads) {
+        load_stored<GATED>(p, row, c * VEC, v);
+        normalize_and_store<GATED>(p, row, c, v, mean, rstd, params);
+      }
     }
   }
 }

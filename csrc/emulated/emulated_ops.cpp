@@ -63,7 +63,8 @@ void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64
 // threads_per_row, rows_per_block, blocks, cluster_blocks (the shared-memory path; 0 elsewhere), that path's shared
 // memory per block, whether it keeps the parameters there and whether it keeps the row there. The register and
 // shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's threads per
-// SM, as the emulated launch counts it); and the backward's partial_cluster_blocks.
+// SM alone, as the emulated launch counts it where set_device's shared_per_sm is not set); and the backward's
+// partial_cluster_blocks.
 std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int64_t elem_bytes, bool vectorizable,
                           int64_t blocks_per_sm, int64_t param_rows) {
   TORCH_CHECK(direction == "fwd" || direction == "bwd", "plan: direction must be 'fwd' or 'bwd', got '", direction,
@@ -88,7 +89,8 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   const int partial_cluster = fwd ? 1 : partial_cluster_blocks(p, d, param_rows > 0, acc_bytes);
   const int cluster = std::max(1, p.cluster_blocks) * partial_cluster;
   if (p.shared_row()) {
-    smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.vec, p.slice_params, p.row_on_chip).total);
+    smem = static_cast<int64_t>(
+        shared.layout(p.slice_vectors, p.cluster_blocks, p.vec, p.slice_params, p.row_on_chip).total);
   }
   if (p.shared_row() || partial_cluster > 1) {
     limit_to_resident_clusters(p, ceil_div(p.blocks, partial_cluster), int64_t{d.num_sms} * per_sm / cluster, cluster);

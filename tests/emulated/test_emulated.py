@@ -1163,6 +1163,32 @@ def test_shared_memory_bounds_the_grid():
     _check_forward("layer", x, weight, bias, y)
 
 
+# Shared-memory plans of a bfloat16 row of D=32768 with its weight and bias on chip: the forward's, a block of an
+# sm_90's and a cluster of 2 of 163 KB blocks; the backward's (and the gradient sums), a cluster of 2 of an sm_90's
+# (in 2 groups) and a cluster of 8 of 64 KB blocks.
+PLANNED_SMEM_CASES = [("fwd", None, None), ("fwd", 163 * 1024, 8), ("bwd", None, None), ("bwd", 64 * 1024, 8)]
+
+
+@pytest.mark.parametrize("mode,shared,cluster", PLANNED_SMEM_CASES)
+def test_plan_shared_memory_is_the_launch(mode, shared, cluster):
+    # Regression test: plan() (the kernel model's view of the launchers) passed its layout the vector width as the
+    # cluster size, so its shared-memory figure for the shared-memory path was not the launch's (a bfloat16 backward
+    # of D=32768: 8 "blocks" of 1-element vectors).
+    cols = 32768
+    x, weight, bias, dy = _inputs(2, cols, torch.bfloat16, torch.bfloat16, (True, True))
+    with _device(shared=shared, cluster=cluster):
+        *_, planned_cluster, smem, _, _, _ = ops.plan(mode, 2, cols, 2, True, 0, 2)
+        ops.set_counting(True)
+        try:
+            _emulated("layer", x, weight, bias, dy, 1e-5)
+        finally:
+            ops.set_counting(False)
+        direction = "forward" if mode == "fwd" else "backward"
+        launch = next(r for r in json.loads(ops.take_launch_log()) if f"norm_{direction}_shared" in r["kernel"])
+    assert planned_cluster > 0 and launch["cluster"] >= planned_cluster
+    assert smem == launch["dynamic_smem"]
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("cols", [7, 64, 2048, 9000])
 def test_batch_invariant(kind, cols):
