@@ -1178,14 +1178,11 @@ def test_plan_shared_memory_is_the_launch(mode, shared, cluster):
     x, weight, bias, dy = _inputs(2, cols, torch.bfloat16, torch.bfloat16, (True, True))
     with _device(shared=shared, cluster=cluster):
         *_, planned_cluster, smem, _, _, _ = ops.plan(mode, 2, cols, 2, True, 0, 2)
-        ops.set_counting(True)
-        try:
-            _emulated("layer", x, weight, bias, dy, 1e-5)
-        finally:
-            ops.set_counting(False)
-        direction = "forward" if mode == "fwd" else "backward"
-        launch = next(r for r in json.loads(ops.take_launch_log()) if f"norm_{direction}_shared" in r["kernel"])
-    assert planned_cluster > 0 and launch["cluster"] >= planned_cluster
+        if mode == "fwd":
+            _, launch = _forward_kernel("layer", x, weight, bias)
+        else:
+            _, launch = _backward_launch_of(lambda: _emulated("layer", x, weight, bias, dy, 1e-5))
+    assert "shared" in launch["kernel"] and planned_cluster > 0 and launch["cluster"] >= planned_cluster
     assert smem == launch["dynamic_smem"]
 
 
