@@ -532,10 +532,11 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
         slots = -(-count // 32)  # warp instructions per pass over the slice
         per_thread = -(-count // threads)
         calls = (2 if ln else 1) if mode == "fwd" else 1  # ClusterReduce2 calls per row
-        # Bulk loads: the copy engine's chunks of the slices in flight together (one round), and a block barrier
-        # after each chunk of the last pass (the forward's normalize, the backward's dx).
+        # Bulk loads: the copy engine's chunks of the slices in flight together (one round). A chunk of the last
+        # pass (the forward's normalize, the backward's dx) is released by every thread's arrival on its empty
+        # mbarrier, which only thread 0 waits for before the refill: no block barrier. (Not a term: that warp's wait
+        # for the block's slowest, which the row's next reduction absorbs; an assumption for the GPU run to check.)
         bulk = bulk_loads(mode, plan, elem, fused)
-        out["barriers"] = c * BULK_STAGES if bulk else 0.0
         # Per exchange: every warp's reads of the c results (the st.async into the c blocks, a few bytes of
         # distributed shared memory, are not counted: simt_emulator.h).
         per_block_scalar = calls * (_row_sum_requests(threads) + (warps * 2 * c if c > 1 else 0))

@@ -603,8 +603,8 @@ TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const BackwardParams<T,
 // p.partial_cluster > 1 the launch's thread-block clusters hold that many groups of p.cluster_blocks blocks (of one
 // block where a block holds whole rows), each group walking its own rows, and the groups' sums are added in group
 // order first (store_cluster_partial), so a cluster writes one partial row. A thread touches only the vectors
-// c = thread, thread + threads, ... of the slice, so only the row sums need barriers (bulk loads: each chunk's
-// mbarrier, and a block barrier before a chunk is refilled).
+// c = thread, thread + threads, ... of the slice, so only the row sums need barriers (bulk loads: each chunk's two
+// mbarriers, SliceRing; without dx the slices are refilled whole after the row sums' block barrier).
 // With p.bulk_stages (sm_90, the row on chip, x and dy of one size in 16-byte vectors) thread 0 instead has the copy
 // engine load the slices of x and dy into shared memory (SliceRing), the block's next row's chunk by chunk as the dx
 // pass finishes each: that row's loads are in flight during this row's dx pass and the next row's reductions.
@@ -740,7 +740,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         }
       }
       if (!bulk) continue;
-      dev::sync_threads();  // chunk read by every thread
+      ring.release(chunk, parity, producer);  // chunk read by every thread (thread 0 waits for that)
       load_slice_chunks<VEC>(ring, p, shared, layout.dy, first, producer, row + row_step, chunk, chunk + 1);
     }
   }

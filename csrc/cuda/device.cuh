@@ -175,6 +175,15 @@ TLN_DEVICE void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
   __trap();
 #endif
 }
+// An arrival that expects no bytes: the calling thread's release of what it read before it (to a thread that waits
+// for the phase, then overwrites it).
+TLN_DEVICE void mbarrier_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+#else
+  __trap();
+#endif
+}
 // Acquire at cluster scope: the peers' st.async bytes are visible after it.
 TLN_DEVICE void mbarrier_wait(uint64_t* bar, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -473,6 +482,9 @@ inline void mbarrier_init(uint64_t* bar, unsigned arrivals, Site site = TLN_SITE
 }
 inline void mbarrier_arrive_expect_tx(uint64_t* bar, unsigned bytes, Site site = TLN_SITE) {
   emu::mbarrier_arrive_expect_tx(bar, bytes, {site.file_name(), site.line()});
+}
+inline void mbarrier_arrive(uint64_t* bar, Site site = TLN_SITE) {
+  emu::mbarrier_arrive(bar, {site.file_name(), site.line()});
 }
 inline void mbarrier_wait(uint64_t* bar, unsigned parity, Site site = TLN_SITE) {
   emu::mbarrier_wait(bar, parity, {site.file_name(), site.line()});

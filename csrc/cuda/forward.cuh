@@ -553,8 +553,8 @@ TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const ForwardParams<T, 
 // p.staged_params, its slice of the weight and bias, copied once. x is read once, kSharedRowUnroll vectors a thread
 // at a time, all in flight before the first is used; the statistics come from shared memory (corrected two-pass); y is
 // written once. A thread reads back only the vectors it staged, so the staging needs no barrier (bulk loads: each
-// chunk's mbarrier, and a block barrier before a chunk is refilled). The grid is the clusters the device holds at
-// once, each walking rows.
+// chunk's two mbarriers, SliceRing; the quantized instances refill the slice whole after a block barrier). The grid
+// is the clusters the device holds at once, each walking rows.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(ForwardParams<T, W, acc_t, R> p) {
   using RowPieces = typename SharedVectors<R, VEC>::Piece;
@@ -675,7 +675,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
         }
       }
       if (!bulk) continue;
-      dev::sync_threads();  // chunk k read by every thread
+      ring.release(k, parity, producer);  // chunk k read by every thread (thread 0 waits for that)
       load_slice_chunks<VEC>(ring, p, shared, first, producer, row + row_step, k, k + 1);
     }
   }

@@ -171,7 +171,7 @@ struct SharedRowLayout {
         exchange(grads + grad_rows * round16(slice_elems * acc_bytes)),
         scratch(exchange + cluster_exchange_bytes(acc_bytes, cluster_blocks)),
         stages(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)),
-        total(stages + stage_barriers * sizeof(uint64_t)) {}
+        total(stages + 2 * stage_barriers * sizeof(uint64_t)) {}  // a chunk's full and empty mbarriers
 };
 
 // Room for the shared-memory path: what a row element takes there (the forward: the type of the normalized row;
@@ -199,8 +199,8 @@ struct SharedRowSpace {
 // The chunks `plan`'s shared-memory kernel loads by bulk copies (ForwardParams/BackwardParams::bulk_stages; 0: none),
 // where `space` has their room. The forward takes them for slices the staging through registers loads in several
 // rounds (more than kSharedRowUnroll vectors a thread), of which it prefetches only the first: a slice of one round it
-// prefetches whole, during the row before, which the chunks (each refilled only once read, after a block barrier) do
-// not beat (kernel model). The backward, whose staging prefetches nothing, takes them for every slice it keeps on chip.
+// prefetches whole, during the row before, which the chunks (each refilled only once the block has read it) do not
+// beat (kernel model). The backward, whose staging prefetches nothing, takes them for every slice it keeps on chip.
 inline int bulk_loads(const RowPlan& plan, const SharedRowSpace& space, bool forward) {
   const bool takes = forward ? plan.slice_vectors > int64_t{kSharedRowUnroll} * kSharedRowThreads : plan.row_on_chip;
   return plan.shared_row() && takes ? space.stage_barriers : 0;

@@ -161,10 +161,12 @@ TLN_DEVICE RowSlice row_slice(int64_t row_vectors, int64_t slice_vectors, int cl
 
 // A block's slice of the rows it walks, kept in shared memory as stored in global memory (16-byte vectors, whose
 // SharedVectors layout is then the row's own) and loaded there by sm_90's copy engine (bulk copies) in `stages` chunks,
-// each completing on an mbarrier of its own: a kernel's passes over a row wait for one chunk at a time, and thread 0
-// refills a chunk with the block's next row as soon as the block's last pass over the chunk has read it (a block
-// barrier between), so the next row's loads are in flight during this row's reductions and stores, with no registers
-// held for them. A slice may be several arrays of the same vectors (the backward's x and dy: streams), on one mbarrier.
+// each completing on an mbarrier of its own (`full`): a kernel's passes over a row wait for one chunk at a time, and
+// thread 0 refills a chunk with the block's next row as soon as the block's last pass over the chunk has read it, so
+// the next row's loads are in flight during this row's reductions and stores, with no registers held for them. Each
+// thread arrives on the chunk's second mbarrier (`empty`) after its last read of the chunk, and only thread 0 waits
+// for the block's arrivals before the refill: no block barrier a chunk, the other warps go on. A slice may be several
+// arrays of the same vectors (the backward's x and dy: streams), on one `full` mbarrier a chunk.
 struct SliceRing {
   // Where a stream's vectors go (its slice in shared memory) and come from (the row's slice in global memory).
   struct Stream {
@@ -172,16 +174,20 @@ struct SliceRing {
     const void* global;
   };
 
-  uint64_t* full;  // a chunk's mbarrier: one arrival (thread 0's, expecting its bytes), one phase per row
-  int64_t count;   // vectors in the slice
-  int64_t chunk;   // vectors per chunk: whole rounds of the block's threads (0: no bulk loads)
-  int stages;
+  uint64_t* full;   // a chunk's mbarrier: one arrival (thread 0's, expecting its bytes), one phase per row
+  uint64_t* empty;  // a chunk's mbarrier: every thread's arrival once it has read the chunk, one phase per row
+  int64_t count;    // vectors in the slice
+  int64_t chunk;    // vectors per chunk: whole rounds of the block's threads (0: no bulk loads)
+  int stages, threads;
 
+  // `barriers`: 2 x stages mbarriers (SharedRowLayout::stages).
   TLN_DEVICE SliceRing(unsigned char* barriers, int64_t count, int stages, int threads)
       : full(reinterpret_cast<uint64_t*>(barriers)),
+        empty(full + stages),
         count(count),
         chunk(stages > 0 ? ((count + stages - 1) / stages + threads - 1) / threads * threads : 0),
-        stages(stages) {}
+        stages(stages),
+        threads(threads) {}
 
   // Vectors [begin(k), end(k)) of the slice are chunk k's (none for the last chunks of a short slice).
   TLN_DEVICE int64_t begin(int k) const { return k * chunk < count ? k * chunk : count; }
@@ -189,7 +195,10 @@ struct SliceRing {
 
   // Thread 0, once: the mbarriers (a block barrier must follow before the other threads wait on them).
   TLN_DEVICE void init() const {
-    for (int k = 0; k < stages; ++k) dev::mbarrier_init(&full[k], 1);
+    for (int k = 0; k < stages; ++k) {
+      dev::mbarrier_init(&full[k], 1);
+      dev::mbarrier_init(&empty[k], threads);
+    }
   }
   // Where `loads` (thread 0, for a row before the last's end): the copies of chunks [from, to) of a row's streams,
   // after the block's reads of those chunks' previous row.
@@ -208,6 +217,14 @@ struct SliceRing {
   // Every thread, before reading chunk k of the row of this `parity` (rows alternate).
   TLN_DEVICE void wait(int k, unsigned parity) const {
     if (begin(k) < end(k)) dev::mbarrier_wait(&full[k], parity);
+  }
+  // Every thread, after its last read of chunk k of the row of this `parity`; thread 0 (`producer`) then waits for
+  // the block's reads before it refills the chunk (load). The arrival's release and the wait's acquire order the
+  // reads before the refill's proxy fence and copy.
+  TLN_DEVICE void release(int k, unsigned parity, bool producer) const {
+    if (begin(k) == end(k)) return;
+    dev::mbarrier_arrive(&empty[k]);
+    if (producer) dev::mbarrier_wait(&empty[k], parity);
   }
 };
 

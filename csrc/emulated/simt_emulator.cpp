@@ -416,7 +416,8 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
 // a cluster (distributed shared memory) by a completed cluster barrier, or by an mbarrier phase (below). Warp shuffles
 // order nothing.
 // An mbarrier phase orders what its arrivals and its stores' issuers did before them (the accesses of their blocks
-// before their last block barrier, and what they knew so) before what its waiters do after their wait. Bytes an
+// before their last block barrier, and what they knew so; an arriving thread's own accesses before its arrival too)
+// before what its waiters do after their wait. Bytes an
 // st.async stored are unwritten for every thread until it has waited for the phase they complete (only the issuer may
 // overwrite them before). Conservative where an ordering runs through a block barrier after another thread's wait:
 // the kernels have every thread wait.
@@ -427,13 +428,18 @@ struct SharedAccess {
   const void* mbarrier = nullptr;  // an st.async's bytes: visible after a wait for phase `phase` of this mbarrier
   uint64_t phase = 0;
   bool copy_in_flight = false;  // a cp.async's bytes before the issuer's wait: off limits to every thread
+  uint64_t epoch = 0;           // the accessing thread's mbarrier arrivals before it (ThreadOrder::arrivals)
 };
 
 // What a thread knows to be ordered before it through mbarriers: per block rank of the cluster, the block generation
-// below which that block's accesses happen before it, and per mbarrier the phases it has waited for.
+// below which that block's accesses happen before it; per thread that arrived on a phase it waited for, the epoch
+// below which that thread's accesses do; and per mbarrier the phases it has waited for. Its own arrivals so far: the
+// epoch of its accesses now.
 struct ThreadOrder {
   std::vector<uint64_t> known;                           // by rank
+  std::unordered_map<uint64_t, uint64_t> arrived;        // thread_key(rank, tid) -> epoch bound
   std::vector<std::pair<const void*, uint64_t>> waited;  // mbarrier -> phases completed when it last waited
+  uint64_t arrivals = 0;
 };
 
 // An mbarrier's state: the arrivals a phase expects and those still pending, the bytes still to land (negative where
@@ -444,6 +450,7 @@ struct Mbarrier {
   int64_t bytes_pending = 0;
   uint64_t completed = 0;
   std::vector<uint64_t> gathering, passed[2];
+  std::unordered_map<uint64_t, uint64_t> gathering_arrived, passed_arrived[2];  // ThreadOrder::arrived's
 };
 struct ByteShadow {
   SharedAccess write, reads[2];
@@ -544,6 +551,8 @@ BlockState* owner_of(const ThreadContext& t, uintptr_t address, size_t bytes) {
 
 ThreadOrder& order_of(const ThreadContext& t) { return t.block->orders[t.linear_tid]; }
 
+uint64_t thread_key(uint32_t rank, uint32_t tid) { return uint64_t{rank} << 32 | tid; }
+
 // The calling thread's record of the phases of `mbarrier` completed when it last waited on it, or null.
 uint64_t* find_waited(const ThreadContext& t, const void* mbarrier) {
   for (auto& [bar, phases] : order_of(t).waited) {
@@ -563,8 +572,11 @@ bool before_barrier(const SharedAccess& a, const ThreadContext& t, bool store = 
   const bool own = a.rank == t.cluster_rank && a.tid == t.linear_tid;
   if (a.mbarrier != nullptr) return waited_phases(t, a.mbarrier) > a.phase || (own && store);
   if (own || t.cluster->barrier.generation() != a.cluster_generation) return true;
+  const ThreadOrder& order = order_of(t);
+  const auto arrived = order.arrived.find(thread_key(a.rank, a.tid));
+  if (arrived != order.arrived.end() && arrived->second > a.epoch) return true;
   if (a.rank == t.cluster_rank) return block_generation(t) != a.block_generation;
-  const std::vector<uint64_t>& known = order_of(t).known;
+  const std::vector<uint64_t>& known = order.known;
   return a.rank < known.size() && known[a.rank] > a.block_generation;
 }
 
@@ -586,7 +598,7 @@ void report_race(std::string message) {
 SharedAccess access_now(const ThreadContext& t, const void* mbarrier = nullptr, uint64_t phase = 0,
                         bool in_flight = false) {
   return {t.cluster_rank, t.linear_tid, block_generation(t), t.cluster->barrier.generation(), true, mbarrier,
-          phase,          in_flight};
+          phase,          in_flight,    order_of(t).arrivals};
 }
 
 void check_byte(ByteShadow& byte, const ThreadContext& t, bool store, Site site, const SharedAccess& now) {
@@ -693,6 +705,14 @@ void pass_on(const ThreadContext& t, Mbarrier& m) {
   m.gathering[t.cluster_rank] = std::max(m.gathering[t.cluster_rank], block_generation(t));
 }
 
+// An arrival of the calling thread on the current phase of `m`: what it passes on, its own accesses so far among it
+// (those of a lower epoch than its accesses after it).
+void arrive(const ThreadContext& t, Mbarrier& m) {
+  pass_on(t, m);
+  m.gathering_arrived[thread_key(t.cluster_rank, t.linear_tid)] = ++order_of(t).arrivals;
+  --m.pending;
+}
+
 // Counts an arrival or a store as progress, and completes the phase where nothing is pending.
 void complete_if_done(Mbarrier& m) {
   ++Fibers::progress;
@@ -700,6 +720,8 @@ void complete_if_done(Mbarrier& m) {
   if (m.bytes_pending < 0) fail("an mbarrier phase got more bytes than its arrivals expect");
   m.passed[m.completed & 1] = std::move(m.gathering);
   m.gathering.clear();
+  m.passed_arrived[m.completed & 1] = std::move(m.gathering_arrived);
+  m.gathering_arrived.clear();
   ++m.completed;
   m.pending = m.arrivals;
 }
@@ -745,9 +767,16 @@ void mbarrier_arrive_expect_tx(void* bar, unsigned bytes, Site site) {
   ThreadContext& t = this_thread();
   Mbarrier& m = mbarrier_at(t, bar);
   if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site, access_now(t));
-  pass_on(t, m);
+  arrive(t, m);
   m.bytes_pending += bytes;
-  --m.pending;
+  complete_if_done(m);
+}
+
+void mbarrier_arrive(void* bar, Site site) {
+  ThreadContext& t = this_thread();
+  Mbarrier& m = mbarrier_at(t, bar);
+  if (racecheck) check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site, access_now(t));
+  arrive(t, m);
   complete_if_done(m);
 }
 
@@ -770,6 +799,10 @@ void mbarrier_wait(void* bar, unsigned parity, Site site) {
   const std::vector<uint64_t>& passed = m.passed[phase & 1];
   order.known.resize(std::max(order.known.size(), passed.size()), 0);
   for (size_t r = 0; r < passed.size(); ++r) order.known[r] = std::max(order.known[r], passed[r]);
+  for (const auto& [thread, epoch] : m.passed_arrived[phase & 1]) {
+    uint64_t& bound = order.arrived[thread];
+    bound = std::max(bound, epoch);
+  }
   if (waited != nullptr) {
     *waited = phase + 1;
   } else {

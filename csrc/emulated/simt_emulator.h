@@ -71,9 +71,11 @@ const void* map_shared_rank(const void* p, unsigned rank);
 // block's dynamic shared memory (the emulator keeps their state beside it). A phase completes when it has had the
 // arrivals given at init and every byte it expects (arrive_expect_tx) has landed (store_async); the next phase then
 // begins. A wait returns once the phase of parity `parity` has completed. The race check orders what a thread does
-// after its wait after everything the phase's arrivals and stores did before them.
+// after its wait after everything the phase's arrivals and stores did before them. mbarrier_arrive: an arrival that
+// expects no bytes (a consumer's release of what it read).
 void mbarrier_init(void* bar, unsigned arrivals, Site site);
 void mbarrier_arrive_expect_tx(void* bar, unsigned bytes, Site site);
+void mbarrier_arrive(void* bar, Site site);
 void mbarrier_wait(void* bar, unsigned parity, Site site);
 
 // st.async: `bytes` of `src` stored at `dst` in the shared memory of block `rank` of the cluster, completing that many

@@ -98,20 +98,24 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (std::strncmp(check, "bulk", 4) == 0) {
-    // A ring of two stages streams chunks of global memory through shared memory as the forward's bulk loads do
-    // (csrc/cuda/forward.cuh): thread 0 copies chunk i into stage i % 2 by bulk_load_shared, completing on the stage's
-    // mbarrier; every thread waits for it (parity (i / 2) % 2) and adds it; a block barrier after the reads frees the
-    // stage for chunk i + 2. The variants break it: "bulk_early_read" reads before its wait, "bulk_no_release"
-    // refills a stage with no barrier after the reads of it, "bulk_misaligned" copies from an address off 16 bytes.
-    constexpr unsigned kChunks = 6, kValues = 4;
+    // A ring of two stages streams chunks of global memory through shared memory as the shared-memory kernels' bulk
+    // loads do (SliceRing, csrc/cuda/shared_vectors.cuh): thread 0 copies chunk i into stage i % 2 by
+    // bulk_load_shared, completing on the stage's mbarrier; every thread waits for it (parity (i / 2) % 2) and adds
+    // it; a block barrier after the reads frees the stage for chunk i + 2, or ("bulk_empty") every thread arrives on
+    // the stage's second mbarrier after its reads and thread 0 waits for that phase before the refill. The variants
+    // break it: "bulk_early_read" reads before its wait, "bulk_no_release" refills a stage with no barrier after the
+    // reads of it, "bulk_empty_early" arrives before its reads, "bulk_misaligned" copies from an address off 16 bytes.
+    constexpr unsigned kChunks = 6, kValues = 4, kThreads = 64;
     struct Ring {
-      uint64_t full[2];
+      uint64_t full[2], empty[2];
       long stage[2][kValues];
     };
     alignas(16) static long data[kChunks * kValues + 1];
     for (unsigned i = 0; i < kChunks * kValues; ++i) data[i] = i + 1;
     const bool early = std::strcmp(check, "bulk_early_read") == 0;
     const bool no_release = std::strcmp(check, "bulk_no_release") == 0;
+    const bool early_arrival = std::strcmp(check, "bulk_empty_early") == 0;
+    const bool empty = early_arrival || std::strcmp(check, "bulk_empty") == 0;
     const unsigned offset = std::strcmp(check, "bulk_misaligned") == 0 ? 1 : 0;
     long total = 0;
     const auto body = [&] {
@@ -125,25 +129,33 @@ int main(int argc, char** argv) {
       };
       if (t.linear_tid == 0) {
         for (uint64_t& full : ring->full) mbarrier_init(&full, 1, site);
+        for (uint64_t& stage_empty : ring->empty) mbarrier_init(&stage_empty, kThreads, site);
         issue(0);
         issue(1);
       }
       sync_threads();
       for (unsigned i = 0; i < kChunks; ++i) {
-        if (!early) mbarrier_wait(&ring->full[i % 2], (i / 2) % 2, site);
+        const unsigned parity = (i / 2) % 2;
+        if (!early) mbarrier_wait(&ring->full[i % 2], parity, site);
+        if (early_arrival) mbarrier_arrive(&ring->empty[i % 2], site);
         long sum = 0;
         for (const long& value : ring->stage[i % 2]) {
           record_access(Space::Shared, &value, sizeof(value), false, site);
           sum += value;
         }
-        if (early) mbarrier_wait(&ring->full[i % 2], (i / 2) % 2, site);
+        if (early) mbarrier_wait(&ring->full[i % 2], parity, site);
         if (t.linear_tid == 33) total += sum;
-        if (!no_release) sync_threads();
+        if (empty) {
+          if (!early_arrival) mbarrier_arrive(&ring->empty[i % 2], site);
+          if (t.linear_tid == 0) mbarrier_wait(&ring->empty[i % 2], parity, site);
+        } else if (!no_release) {
+          sync_threads();
+        }
         if (t.linear_tid == 0 && i + 2 < kChunks) issue(i + 2);
       }
     };
     try {
-      launch({3}, {64}, sizeof(Ring), nullptr, body);
+      launch({3}, {kThreads}, sizeof(Ring), nullptr, body);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s\n", e.what());
       return 1;

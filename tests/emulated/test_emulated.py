@@ -829,9 +829,9 @@ BULK_RING_CASES = [
 )
 def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantized):
     # Regression guard for the bulk loads: one cluster resident, which walks 11 rows (each chunk refilled with the
-    # next row's after the block's barrier; the quantized epilogue refills the slice whole), comes out bitwise as
+    # next row's once every thread has released it; the quantized epilogue refills the slice whole), comes out bitwise as
     # each row alone (no refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the
-    # slice staged through registers), which takes 32 bytes less shared memory (the 4 chunks' mbarriers).
+    # slice staged through registers), which takes 64 bytes less shared memory (the 4 chunks' full and empty mbarriers).
     rows = 11
     x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
     params = (2 if kind == "layer" else 1) if affine else 0
@@ -854,14 +854,14 @@ def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantiz
     if cluster == 1:
         with _device(shared=shared, cluster=1):
             unbulked, plain = forward(x)
-        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 4 * 8
+        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 2 * 4 * 8
         for w, u in zip(walked, unbulked):
             assert torch.equal(w, u)
     _check_forward(kind, x, weight, bias, walked[0])
 
 
 # The shared-memory backward's bulk loads (SliceRing; sm_90, slices of x and dy kept on chip: every such slice): x and
-# dy in 4 chunks of whole rounds of the block's 512 threads on one mbarrier each, each refilled with the block's next
+# dy in 4 chunks of whole rounds of the block's 512 threads on two mbarriers each, each refilled with the block's next
 # row once the dx pass has read it (without dx: the whole slice, after one barrier). Devices: None, the default sm_90.
 BACKWARD_BULK_RING_CASES = [
     (torch.float32, 8200, True),  # a block: 2050 vectors, chunks of 1024, the third of 2, the fourth empty
@@ -878,7 +878,7 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
     # Regression guard for the backward's bulk loads: two resident blocks (a cluster of 2: a row's, or two groups of
     # a block a row; or two blocks alone without parameter gradients) walk 11 rows, bitwise as each row alone (dx; no
     # refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the slices staged through
-    # registers; every gradient), which takes 32 bytes less shared memory (the mbarriers).
+    # registers; every gradient), which takes 64 bytes less shared memory (the mbarriers).
     rows = 11
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
 
@@ -904,7 +904,7 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
         with _device(cluster=1):
             ops.set_device(1, 1024, None, 1)
             unbulked, plain = backward(x, dy)
-        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 4 * 8
+        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 2 * 4 * 8
         for w, u in zip(walked, unbulked):
             assert (w is None and u is None) or torch.equal(w, u)
     if mask == (True, True, True):

@@ -93,6 +93,9 @@ BULK_TOTAL = 3 * (24 * 25 // 2)
         ("exchange", EXCHANGE_TOTAL),
         # Bulk copies into a ring of two stages, each completing on its stage's mbarrier; a block barrier frees a stage.
         ("bulk", BULK_TOTAL),
+        # The same, a stage freed by every thread's arrival on its second mbarrier, which thread 0 waits for (the
+        # race check orders each arriving thread's reads before the refill).
+        ("bulk_empty", BULK_TOTAL),
     ],
 )
 def test_mbarrier_protocols(checks, check, total, racecheck):
@@ -112,6 +115,8 @@ def test_mbarrier_protocols(checks, check, total, racecheck):
         ("exchange_one_slot", "write after read"),
         # A bulk copy's bytes, the same.
         ("bulk_early_read", "read after write"),
+        # An arrival on the stage's second mbarrier releases the reads before it only: reads after it race the refill.
+        ("bulk_empty_early", "write after read"),
     ],
 )
 def test_mbarrier_race_check(checks, check, message):
