@@ -441,6 +441,16 @@ def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
     return mode == "bwd" or plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
 
 
+def held_sums(op: str, mode: str, plan: dict, elem: int, fused: bool) -> bool:
+    """Whether the shared-memory backward runs its held-sums instance (launch_plan.h's held_sum_rounds): bulk loads,
+    float32 sums, and a slice of at most 8 / gradients rounds of the block's threads (8 vectors of sums a thread); its
+    gradient sums stay in registers, with no shared-memory read and write a row."""
+    if mode != "bwd" or elem == 8 or not bulk_loads(mode, plan, elem, fused):
+        return False
+    rounds = 8 // parameter_count(op)
+    return -(-plan["slice_vectors"] // SHARED_ROW_THREADS) <= rounds
+
+
 def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool) -> float:
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
@@ -549,7 +559,8 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             out["lone_dram"] = per_thread if fused else 0  # the residual, added vector by vector after the burst
             out["lone_l2"] = 0 if plan["slice_params"] else per_thread  # the weight and bias from global memory
         else:
-            grads = parameter_count(op)
+            # The gradient sums' read and write a row, in shared memory (none in the held-sums instance).
+            grads = 0 if held_sums(op, mode, plan, elem, fused) else parameter_count(op)
             acc = _pieces(vec, 4)
             on_chip = plan["path"] == "shared"
             vector = slots * (

@@ -185,7 +185,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-empty-barriers/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-held-sums/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
@@ -216,6 +216,8 @@ if wants ab; then
     # The shared-memory kernels' bulk loads (SliceRing).
     ab bulk_main 45 "32768 262144" "fwd bwd"
     ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1
+    # The shared-memory backward's gradient sums in registers (main, bulk_main above) or in shared memory.
+    ab held_none 30 "32768 262144" "bwd" TLN_X_NO_HELD=1
     # The forward's register rows in blocks of 512 threads (one weight copy an SM, a ring beside it; the kernel model's
     # LayerNorm float32 D=4096 76.7 -> 99.6 %), and the ring without the copy (main: ring_main above).
     ab rows_512 40 "512 4096 8192" "fwd" TLN_X_ROWS_BLOCK_THREADS=512

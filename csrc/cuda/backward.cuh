@@ -233,6 +233,19 @@ TLN_DEVICE void store_cluster_partial(acc_t* partial, int64_t nvec, int group, i
   dev::cluster_sync();  // no block reuses (or exits with) its shared memory while another reads it
 }
 
+// store_cluster_partial's load for the shared-memory kernel: group g's copy of this block's slice of the sums (rank
+// g x cluster + slice_rank). A class, not a lambda in the kernel, so coverage counts its arms once for every kernel
+// instance of the same vectors.
+template <typename acc_t, int VEC>
+struct GroupSliceSums {
+  const SharedVectors<acc_t, VEC>& sums;
+  int cluster;
+  unsigned slice_rank;
+  TLN_DEVICE void operator()(int g, int64_t c, acc_t (&v)[VEC]) const {
+    load_from_rank(sums, g * cluster + slice_rank, c, v);
+  }
+};
+
 // The block's partial row of one gradient: its row-slots' sums added on chip in slot order, and where `cluster` > 1
 // the cluster's blocks' rows added in rank order (store_cluster_partial), so a block (a cluster) writes one partial
 // row, whatever its rows per block. Shared memory holds the slots' vectors plane by plane (element j of every vector
@@ -519,20 +532,47 @@ TLN_DEVICE void add_to_sums(const SharedVectors<acc_t, VEC>& sums, int64_t c, co
   sums.store(c, out);
 }
 
-// Adds vector c's terms of the weight and bias gradients (those asked for: dweight, dbias) to a block's sums.
-template <int VEC, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void add_gradient_terms(const BackwardParams<T, W, acc_t, R>& p,
-                                   const SharedVectors<acc_t, VEC>& dweight_sums,
-                                   const SharedVectors<acc_t, VEC>& dbias_sums, bool dweight, bool dbias, int64_t c,
-                                   const acc_t (&xhat)[VEC], const acc_t (&dy)[VEC]) {
+// One vector's terms of the weight and bias gradients (those asked for: dweight, dbias), added to a block's sums by
+// add(gradient, terms): gradient 0 the weight's, 1 the bias'.
+template <int VEC, typename T, typename W, typename acc_t, typename R, typename Add>
+TLN_DEVICE void add_gradient_terms(const BackwardParams<T, W, acc_t, R>& p, bool dweight, bool dbias,
+                                   const acc_t (&xhat)[VEC], const acc_t (&dy)[VEC], const Add& add) {
   if (dweight) {
     acc_t dy_xhat[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) dy_xhat[j] = p.rounding.template weight_term<T>(dy[j], xhat[j]);
-    add_to_sums(dweight_sums, c, dy_xhat);
+    add(0, dy_xhat);
   }
-  if (dbias) add_to_sums(dbias_sums, c, dy);
+  if (dbias) add(1, dy);
 }
+
+// The shared-memory backward's gradient sums held in registers (its held-sums instances, HELD > 0): the sums of the
+// vectors c = thread + round * threads of the block's slice (rounds 0 .. HELD - 1), added to with no shared-memory
+// read and write a row, and stored to the block's sums in shared memory once, after its last row. GRADS: the
+// gradients the norm has (LayerNorm: weight and bias; RMSNorm: the weight).
+template <typename acc_t, int VEC, int HELD, int GRADS>
+struct HeldGradientSums {
+  acc_t sums[GRADS][HELD][VEC] = {};
+
+  TLN_DEVICE void add(int gradient, int round, const acc_t (&v)[VEC]) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sums[gradient][round][j] += v[j];
+  }
+  TLN_DEVICE void store(const SharedVectors<acc_t, VEC> (&to)[2], const bool (&wanted)[2], int64_t count) const {
+#pragma unroll
+    for (int round = 0; round < HELD; ++round) {
+      const int64_t c = dev::thread_x() + int64_t{round} * dev::block_dim_x();
+#pragma unroll
+      for (int g = 0; g < GRADS; ++g) {
+        if (!wanted[g] || c >= count) continue;
+        Vec<acc_t, VEC> v;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v.v[j] = sums[g][round][j];
+        to[g].store(c, v);
+      }
+    }
+  }
+};
 
 // The weight of vector c of a block's slice (whose first vector is `first`): from the block's copy where
 // p.staged_weight, from global memory otherwise.
@@ -609,7 +649,10 @@ TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const BackwardParams<T,
 // engine load the slices of x and dy into shared memory (SliceRing), the block's next row's chunk by chunk as the dx
 // pass finishes each: that row's loads are in flight during this row's dx pass and the next row's reductions.
 // The weight slice is copied on chip once where p.staged_weight, read per row from global memory (L2) otherwise.
-template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC>
+// HELD > 0: the held-sums instance, for bulk-loaded slices of at most HELD rounds of the block's threads (the
+// launcher's choice: RowPlan::held_sums), which keeps the gradient sums in registers for the whole walk
+// (HeldGradientSums) instead of reading and writing them in shared memory every row; it has no other loads.
+template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int HELD = 0>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel(BackwardParams<T, W, acc_t, R> p) {
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const bool dweight = p.partial_dweight != nullptr;
@@ -646,10 +689,13 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   // Bulk loads where the slices of x and dy are kept as stored, in 16-byte vectors (p.bulk_stages > 0: sm_90, the
   // row on chip).
   constexpr bool kBulkable = sizeof(R) == sizeof(T) && VEC * sizeof(T) == kVectorBytes;
-  const bool bulk = kBulkable && p.bulk_stages > 0;
+  constexpr bool kHeld = HELD > 0;
+  static_assert(!kHeld || kBulkable, "the held-sums instance loads its slices by bulk copies only");
+  const bool bulk = kHeld || (kBulkable && p.bulk_stages > 0);
+  HeldGradientSums<acc_t, VEC, kHeld ? HELD : 1, KIND == NormKind::LayerNorm ? 2 : 1> held;
   const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
   const bool producer = dev::thread_x() == 0;
-  if (bulk && producer) ring.init();
+  if (bulk && producer) ring.init(threads);
   ClusterReduce2<acc_t> cluster_sum2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
@@ -667,24 +713,50 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     const acc_t rstd = active ? dev::load_global(&p.rstd[row]) : acc_t(0);
     const int64_t row_start = dy_slice_start<VEC>(p, row, first), row_x_start = x_slice_start<VEC>(p, row, first);
     acc_t sum_g = acc_t(0), sum_g_xhat = acc_t(0);
-    // Vector c of the slice (x and dy as acc_t): the row sums' terms and the gradient sums' dy * xhat and dy.
-    const auto add_terms = [&](int64_t c, acc_t(&xhat)[VEC], const acc_t(&dy)[VEC]) {
+    // Vector c of the slice (x and dy as acc_t): the row sums' terms and the gradient sums' dy * xhat and dy, added
+    // to the sums by add_grads (add_gradient_terms).
+    const auto add_terms = [&](int64_t c, acc_t(&xhat)[VEC], const acc_t(&dy)[VEC], const auto& add_grads) {
       acc_t w[VEC];
       slice_weight(p, weight_slice, first, c, w);
       to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);
       add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
-      add_gradient_terms(p, dweight_sums, dbias_sums, dweight, dbias, c, xhat, dy);
+      add_gradient_terms(p, dweight, dbias, xhat, dy, add_grads);
     };
-    for (int k = 0; bulk && active && k < p.bulk_stages; ++k) {
+    // Vector c's gradient terms added to the sums in shared memory.
+    const auto to_shared_sums = [&](int64_t c) {
+      return
+          [&, c](int gradient, const acc_t(&v)[VEC]) { add_to_sums(gradient == 0 ? dweight_sums : dbias_sums, c, v); };
+    };
+    // The held-sums instance: round by round (chunks are whole rounds), each chunk waited for before its first
+    // round.
+    if constexpr (kHeld) {
+      if (active) {
+        int waited = 0;
+#pragma unroll
+        for (int round = 0; round < HELD; ++round) {
+          for (; waited < p.bulk_stages && ring.begin(waited) <= int64_t{round} * threads; ++waited) {
+            ring.wait(waited, parity);
+          }
+          const int64_t c = dev::thread_x() + int64_t{round} * threads;
+          if (c >= count) continue;
+          acc_t xhat[VEC], dy[VEC];
+          x_slice.load(c, xhat);
+          dy_slice.load(c, dy);
+          add_terms(c, xhat, dy, [&](int gradient, const acc_t(&v)[VEC]) { held.add(gradient, round, v); });
+        }  // (every chunk with vectors begins at a round: the empty ones need no wait)
+      }
+    }
+    for (int k = 0; !kHeld && bulk && active && k < p.bulk_stages; ++k) {
       ring.wait(k, parity);
       for (int64_t c = ring.begin(k) + dev::thread_x(); c < ring.end(k); c += threads) {
         acc_t xhat[VEC], dy[VEC];
         x_slice.load(c, xhat);
         dy_slice.load(c, dy);
-        add_terms(c, xhat, dy);
+        add_terms(c, xhat, dy, to_shared_sums(c));
       }
     }
-    for (int64_t base = dev::thread_x(); !bulk && base < row_count; base += int64_t{kBackwardSharedUnroll} * threads) {
+    for (int64_t base = dev::thread_x(); !kHeld && !bulk && base < row_count;
+         base += int64_t{kBackwardSharedUnroll} * threads) {
       Vec<R, VEC> x_raw[kBackwardSharedUnroll];
       Vec<T, VEC> dy_raw[kBackwardSharedUnroll];
       load_slice_round(p, row_x_start, row_start, row_count, base, x_raw, dy_raw);
@@ -698,7 +770,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         }
         acc_t xhat[VEC], dy[VEC];
         row_vector(x_raw[k], dy_raw[k], xhat, dy);
-        add_terms(c, xhat, dy);
+        add_terms(c, xhat, dy, to_shared_sums(c));
       }
     }
     cluster_sum2(sum_g, sum_g_xhat, threads, scratch);
@@ -711,7 +783,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     // a thread, all in flight before the first is used (one at a time, a thread had two loads in flight: float32
     // D=262144 ran at 48% of copy).
     // With bulk loads by chunks of the ring, each refilled with the next row's once read by the block.
-    constexpr int kReread = backward_reread_unroll(VEC, sizeof(acc_t));
+    constexpr int kReread = kHeld ? 1 : backward_reread_unroll(VEC, sizeof(acc_t));
     const int chunks = bulk ? p.bulk_stages : 1;
     for (int chunk = 0; chunk < chunks; ++chunk) {
       const int64_t end = bulk ? ring.end(chunk) : count;
@@ -725,7 +797,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
           const int64_t c = base + int64_t{k} * threads;
           if (c >= end) break;
           acc_t xhat[VEC], dy[VEC], w[VEC];
-          if (p.row_on_chip) {
+          if (kHeld || p.row_on_chip) {  // (the held-sums instance's slices are always on chip)
             x_slice.load(c, xhat);
             dy_slice.load(c, dy);
           } else if constexpr (kReread == 1) {  // plain loads, as used
@@ -744,6 +816,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       load_slice_chunks<VEC>(ring, p, shared, layout.dy, first, producer, row + row_step, chunk, chunk + 1);
     }
   }
+  if constexpr (kHeld) held.store({dweight_sums, dbias_sums}, {dweight, dbias}, count);
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores
   // The groups' gradient sums added in group order into the cluster's one partial row (slot: the cluster's index),
   // each block of a group its share of its slice of it.
@@ -751,13 +824,14 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     if (groups > 1) {
       const int64_t slot = dev::block_x() / (cluster * groups);
       const unsigned slice_rank = dev::cluster_rank() % cluster;
-      auto store = [&](const SharedVectors<acc_t, VEC>& sums, acc_t* partial) {
-        store_cluster_partial<VEC>(
-            partial + slot * p.cols + first * VEC, count, group, groups,
-            [&](int g, int64_t c, acc_t(&v)[VEC]) { load_from_rank(sums, g * cluster + slice_rank, c, v); });
-      };
-      if (dweight) store(dweight_sums, p.partial_dweight);
-      if (dbias) store(dbias_sums, p.partial_dbias);
+      const int64_t offset = slot * p.cols + first * VEC;
+      using Sums = GroupSliceSums<acc_t, VEC>;
+      if (dweight)
+        store_cluster_partial<VEC>(p.partial_dweight + offset, count, group, groups,
+                                   Sums{dweight_sums, cluster, slice_rank});
+      if (dbias)
+        store_cluster_partial<VEC>(p.partial_dbias + offset, count, group, groups,
+                                   Sums{dbias_sums, cluster, slice_rank});
       return;
     }
   }
@@ -793,11 +867,16 @@ struct BackwardKernels {
       return &norm_backward_kernel<T, W, acc_t, R, K, VEC, ITEMS, GATED>;
     }
   }
+  // The shared-memory kernel; its held-sums instance where the plan says (RowPlan::held_sums: only for rows it has).
   template <NormKind K, int VEC>
-  static constexpr Kernel shared_row() {
+  static constexpr Kernel shared_row(const RowPlan& plan) {
     if constexpr (GATED) {
       return nullptr;
     } else {
+      constexpr int kHeld = held_sum_rounds(VEC, sizeof(T), sizeof(R), sizeof(acc_t), K == NormKind::LayerNorm);
+      if constexpr (kHeld > 0) {
+        if (plan.held_sums) return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC, kHeld>;
+      }
       return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC>;
     }
   }

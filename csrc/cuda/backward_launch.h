@@ -42,7 +42,7 @@ SharedRowSpace backward_shared_row_space(bool weight, int grads, bool vectorizab
           .max_cluster_blocks = limits.max_cluster_blocks,
           .dy_elem_bytes = sizeof(T),
           .grad_rows = grads,
-          .stage_barriers = bulk_stages(limits.max_cluster_blocks, vectorizable && sizeof(R) == sizeof(T))};
+          .bulk_stages = bulk_stages(limits.max_cluster_blocks, vectorizable && sizeof(R) == sizeof(T))};
 }
 
 template <typename Types>
@@ -90,6 +90,11 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   p.row_on_chip = plan.row_on_chip;
   p.staged_weight = plan.slice_params;
   p.bulk_stages = bulk_loads(plan, space, false);
+  // The gradient sums in registers where the bulk-loaded slice has no more rounds of the block's threads than the
+  // held-sums instance holds.
+  const int held_rounds = held_sum_rounds(plan.vec, sizeof(T), sizeof(R), sizeof(acc_t), kind == NormKind::LayerNorm);
+  plan.held_sums =
+      p.bulk_stages > 0 && held_rounds > 0 && plan.slice_vectors <= int64_t{held_rounds} * kSharedRowThreads;
   const auto launch = [&](auto kernel) {
     // The blocks whose partial rows become one: a cluster of partial_cluster groups (where the device has clusters),
     // each a block or a row's cluster of the shared-memory path; a block alone for a grouped norm, whose neighbouring

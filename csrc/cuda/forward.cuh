@@ -579,7 +579,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   const bool bulk = kBulkable && p.bulk_stages > 0;
   const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
   const bool producer = dev::thread_x() == 0;
-  if (bulk && producer) ring.init();
+  if (bulk && producer) ring.init(threads);
   ClusterReduce2<acc_t> cluster_reduce2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
   const int64_t row_step = dev::grid_dim_x() / cluster;
@@ -701,7 +701,7 @@ struct ForwardKernels {
     }
   }
   template <NormKind K, int VEC>
-  static constexpr Kernel shared_row() {
+  static constexpr Kernel shared_row(const RowPlan&) {
     if constexpr (GATED) {
       return nullptr;
     } else {

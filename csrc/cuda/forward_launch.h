@@ -16,7 +16,7 @@ SharedRowSpace forward_shared_row_space(bool weight, bool bias, int stages, cons
           .acc_bytes = sizeof(acc_t),
           .smem_per_block = limits.max_shared_per_block,
           .max_cluster_blocks = limits.max_cluster_blocks,
-          .stage_barriers = stages};
+          .bulk_stages = stages};
 }
 
 // ForwardParams::quant_group_lanes for the kernel `plan` runs: 0 without per-group scales; a group's vectors where

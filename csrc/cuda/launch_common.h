@@ -47,18 +47,18 @@ T* mutable_data_or_null(const at::Tensor& t) {
 
 // Calls f(kernel) with the row kernel a plan calls for. Kernels names a
 // direction's kernels: Kernels::get<K, VEC, ITEMS>() is the register kernel for
-// that tier, or the multi-pass one for ITEMS == 0; Kernels::shared_row<K, VEC>(),
+// that tier, or the multi-pass one for ITEMS == 0; Kernels::shared_row<K, VEC>(plan),
 // where the direction has one, the shared-memory kernel; Kernels::budget is its
 // register budget. The norm kind and the vector width (16 bytes of T, or 1 for
 // the scalar path) become compile-time constants here.
-// Kernels::shared_row<K, VEC>(), or, for a direction without one (whose plans never take that path), a null
+// Kernels::shared_row<K, VEC>(plan), or, for a direction without one (whose plans never take that path), a null
 // kernel of its kernels' type.
 template <typename Kernels, NormKind K, int VEC>
-constexpr auto shared_row_kernel(int) -> decltype(Kernels::template shared_row<K, VEC>()) {
-  return Kernels::template shared_row<K, VEC>();
+constexpr auto shared_row_kernel(const RowPlan& plan, int) -> decltype(Kernels::template shared_row<K, VEC>(plan)) {
+  return Kernels::template shared_row<K, VEC>(plan);
 }
 template <typename Kernels, NormKind K, int VEC>
-constexpr auto shared_row_kernel(long) {
+constexpr auto shared_row_kernel(const RowPlan&, long) {
   return decltype(Kernels::template get<K, VEC, kSmallItems>()){nullptr};
 }
 
@@ -68,7 +68,7 @@ void with_row_kernel(NormKind kind, const RowPlan& plan, F&& f) {
     constexpr NormKind K = decltype(kind_c)::value;
     constexpr int VEC = decltype(vec_c)::value;
     constexpr int kLargeItems = large_items(VEC, Kernels::budget);
-    if (plan.shared_row()) return f(shared_row_kernel<Kernels, K, VEC>(0));
+    if (plan.shared_row()) return f(shared_row_kernel<Kernels, K, VEC>(plan, 0));
     if (plan.multipass()) {
       f(Kernels::template get<K, VEC, 0>());
     } else if (plan.items == kSmallItems) {

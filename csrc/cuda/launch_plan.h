@@ -96,6 +96,7 @@ struct RowPlan {
   int64_t slice_vectors;
   bool slice_params;  // the shared-memory path also keeps its slice of the weight and bias on chip
   bool row_on_chip;   // the shared-memory path keeps its slice of the row (false: the backward reads it twice)
+  bool held_sums = false;  // the shared-memory backward's held-sums instance (its launcher's choice: held_sum_rounds)
 
   bool shared_row() const { return cluster_blocks > 0; }
   bool multipass() const { return items == 0 && !shared_row(); }
@@ -156,14 +157,14 @@ constexpr int bulk_stages(int max_cluster_blocks, bool as_stored) {
 // (`slice_elems` of `row_elem_bytes`; the backward's x, then its dy, of `dy_elem_bytes`), of the weight and of the
 // bias (`param_rows` of them, each of `param_elem_bytes`, where the block keeps them), the backward's weight/bias
 // gradient sums (`grad_rows` of `acc_bytes`), the cluster reductions' exchange (rows over `cluster_blocks` blocks),
-// the row-sum scratch, the bulk loads' mbarriers (`stages` of them).
+// the row-sum scratch, the bulk loads' mbarriers (at `stages`: two for each of `bulk_stages` chunks).
 struct SharedRowLayout {
   size_t dy, weight, bias, grads, exchange, scratch, stages, total;
 
   static constexpr size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
   constexpr SharedRowLayout(int64_t slice_elems, int cluster_blocks, size_t row_elem_bytes, int param_rows,
                             size_t param_elem_bytes, size_t acc_bytes, size_t dy_elem_bytes = 0, int grad_rows = 0,
-                            int stage_barriers = 0)
+                            int bulk_stages = 0)
       : dy(round16(slice_elems * row_elem_bytes)),
         weight(dy + round16(slice_elems * dy_elem_bytes)),
         bias(weight + (param_rows > 0 ? round16(slice_elems * param_elem_bytes) : 0)),
@@ -171,7 +172,7 @@ struct SharedRowLayout {
         exchange(grads + grad_rows * round16(slice_elems * acc_bytes)),
         scratch(exchange + cluster_exchange_bytes(acc_bytes, cluster_blocks)),
         stages(scratch + 2 * acc_bytes * (kSharedRowThreads / 32)),
-        total(stages + 2 * stage_barriers * sizeof(uint64_t)) {}  // a chunk's full and empty mbarriers
+        total(stages + 2 * bulk_stages * sizeof(uint64_t)) {}  // a chunk's full and empty mbarriers
 };
 
 // Room for the shared-memory path: what a row element takes there (the forward: the type of the normalized row;
@@ -185,14 +186,14 @@ struct SharedRowSpace {
   int max_cluster_blocks = 1;
   size_t dy_elem_bytes = 0;
   int grad_rows = 0;
-  int stage_barriers = 0;  // the bulk loads' (bulk_stages)
+  int bulk_stages = 0;  // the bulk loads' chunks where taken (the function bulk_stages)
 
   // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
   SharedRowLayout layout(int64_t slice_vectors, int cluster_blocks, int vec, bool with_params,
                          bool with_row = true) const {
     return {slice_vectors * vec,          cluster_blocks,   with_row ? row_elem_bytes : 0,
             with_params ? param_rows : 0, param_elem_bytes, acc_bytes,
-            with_row ? dy_elem_bytes : 0, grad_rows,        stage_barriers};
+            with_row ? dy_elem_bytes : 0, grad_rows,        bulk_stages};
   }
 };
 
@@ -203,7 +204,18 @@ struct SharedRowSpace {
 // beat (kernel model). The backward, whose staging prefetches nothing, takes them for every slice it keeps on chip.
 inline int bulk_loads(const RowPlan& plan, const SharedRowSpace& space, bool forward) {
   const bool takes = forward ? plan.slice_vectors > int64_t{kSharedRowUnroll} * kSharedRowThreads : plan.row_on_chip;
-  return plan.shared_row() && takes ? space.stage_barriers : 0;
+  return plan.shared_row() && takes ? space.bulk_stages : 0;
+}
+
+// The rounds of its block's threads a slice may have for the shared-memory backward's held-sums instance, which keeps
+// a thread's gradient sums in registers (HeldGradientSums), for vectors of `vec` elements: its bulk-loaded slices
+// (x and dy of one size, 16-byte vectors) with float32 sums, at most 8 vectors of them a thread (LayerNorm: 4 rounds
+// of weight and bias sums, RMSNorm 8 of weight sums: 32 registers for float32 rows, 64 for 16-bit ones; ptxas sm_90
+// fits every such instance at 512 threads in 120-128 registers with no spills, float32 LayerNorm at 8 rounds
+// spilled); 0: no such instance.
+constexpr int held_sum_rounds(int vec, size_t elem_bytes, size_t row_elem_bytes, size_t acc_bytes, bool layer_norm) {
+  const bool bulkable = row_elem_bytes == elem_bytes && vec * elem_bytes == kVectorBytes;
+  return bulkable && acc_bytes == 4 ? (layer_norm ? 4 : 8) : 0;
 }
 
 // The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in

@@ -178,7 +178,7 @@ struct SliceRing {
   uint64_t* empty;  // a chunk's mbarrier: every thread's arrival once it has read the chunk, one phase per row
   int64_t count;    // vectors in the slice
   int64_t chunk;    // vectors per chunk: whole rounds of the block's threads (0: no bulk loads)
-  int stages, threads;
+  int stages;
 
   // `barriers`: 2 x stages mbarriers (SharedRowLayout::stages).
   TLN_DEVICE SliceRing(unsigned char* barriers, int64_t count, int stages, int threads)
@@ -186,15 +186,15 @@ struct SliceRing {
         empty(full + stages),
         count(count),
         chunk(stages > 0 ? ((count + stages - 1) / stages + threads - 1) / threads * threads : 0),
-        stages(stages),
-        threads(threads) {}
+        stages(stages) {}
 
   // Vectors [begin(k), end(k)) of the slice are chunk k's (none for the last chunks of a short slice).
   TLN_DEVICE int64_t begin(int k) const { return k * chunk < count ? k * chunk : count; }
   TLN_DEVICE int64_t end(int k) const { return (k + 1) * chunk < count ? (k + 1) * chunk : count; }
 
-  // Thread 0, once: the mbarriers (a block barrier must follow before the other threads wait on them).
-  TLN_DEVICE void init() const {
+  // Thread 0, once: the mbarriers (a block barrier must follow before the other threads wait on them); `threads`:
+  // the block's, every one of which releases every chunk.
+  TLN_DEVICE void init(int threads) const {
     for (int k = 0; k < stages; ++k) {
       dev::mbarrier_init(&full[k], 1);
       dev::mbarrier_init(&empty[k], threads);

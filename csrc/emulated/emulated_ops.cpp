@@ -81,7 +81,7 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
                               .max_cluster_blocks = d.max_cluster_blocks,
                               .dy_elem_bytes = fwd ? 0 : elem,
                               .grad_rows = fwd ? 0 : static_cast<int>(param_rows),
-                              .stage_barriers = bulk_stages(d.max_cluster_blocks, vectorizable)};
+                              .bulk_stages = bulk_stages(d.max_cluster_blocks, vectorizable)};
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
                         for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), shared);
   const int per_sm = blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads();

@@ -417,10 +417,9 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
 // order nothing.
 // An mbarrier phase orders what its arrivals and its stores' issuers did before them (the accesses of their blocks
 // before their last block barrier, and what they knew so; an arriving thread's own accesses before its arrival too)
-// before what its waiters do after their wait. Bytes an
-// st.async stored are unwritten for every thread until it has waited for the phase they complete (only the issuer may
-// overwrite them before). Conservative where an ordering runs through a block barrier after another thread's wait:
-// the kernels have every thread wait.
+// before what its waiters do after their wait. Bytes an st.async stored are unwritten for every thread until it has
+// waited for the phase they complete (only the issuer may overwrite them before). Conservative where an ordering runs
+// through a block barrier after another thread's wait: the kernels have every thread wait.
 struct SharedAccess {
   uint32_t rank = 0, tid = 0;  // block rank in the cluster, thread in the block
   uint64_t block_generation = 0, cluster_generation = 0;
@@ -708,8 +707,10 @@ void pass_on(const ThreadContext& t, Mbarrier& m) {
 // An arrival of the calling thread on the current phase of `m`: what it passes on, its own accesses so far among it
 // (those of a lower epoch than its accesses after it).
 void arrive(const ThreadContext& t, Mbarrier& m) {
-  pass_on(t, m);
-  m.gathering_arrived[thread_key(t.cluster_rank, t.linear_tid)] = ++order_of(t).arrivals;
+  if (racecheck) {  // only the race check reads the ordering
+    pass_on(t, m);
+    m.gathering_arrived[thread_key(t.cluster_rank, t.linear_tid)] = ++order_of(t).arrivals;
+  }
   --m.pending;
 }
 
@@ -795,18 +796,20 @@ void mbarrier_wait(void* bar, unsigned parity, Site site) {
     report_race("mbarrier phase " + std::to_string(phase) + " overtaken at " + where(t, site) + ": " +
                 std::to_string(m.completed) + " phases had completed when it waited for it");
   }
-  ThreadOrder& order = order_of(t);
-  const std::vector<uint64_t>& passed = m.passed[phase & 1];
-  order.known.resize(std::max(order.known.size(), passed.size()), 0);
-  for (size_t r = 0; r < passed.size(); ++r) order.known[r] = std::max(order.known[r], passed[r]);
-  for (const auto& [thread, epoch] : m.passed_arrived[phase & 1]) {
-    uint64_t& bound = order.arrived[thread];
-    bound = std::max(bound, epoch);
+  if (racecheck) {
+    ThreadOrder& order = order_of(t);
+    const std::vector<uint64_t>& passed = m.passed[phase & 1];
+    order.known.resize(std::max(order.known.size(), passed.size()), 0);
+    for (size_t r = 0; r < passed.size(); ++r) order.known[r] = std::max(order.known[r], passed[r]);
+    for (const auto& [thread, epoch] : m.passed_arrived[phase & 1]) {
+      uint64_t& bound = order.arrived[thread];
+      bound = std::max(bound, epoch);
+    }
   }
   if (waited != nullptr) {
     *waited = phase + 1;
   } else {
-    order.waited.emplace_back(bar, phase + 1);
+    order_of(t).waited.emplace_back(bar, phase + 1);
   }
 }
 
@@ -820,9 +823,9 @@ void copy_completing(const ThreadContext& t, BlockState* owner, void* dst, const
   if (racecheck) {
     check_shared_access(t, reinterpret_cast<uintptr_t>(bar), kMbarrierBytes, false, site, access_now(t));
     check_shared_access(t, reinterpret_cast<uintptr_t>(dst), bytes, true, site, access_now(t, bar, m.completed));
+    pass_on(t, m);
   }
   std::memcpy(dst, src, bytes);
-  pass_on(t, m);
   m.bytes_pending -= static_cast<int64_t>(bytes);
   complete_if_done(m);
 }

@@ -33,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import re
 
 import emulated_build as build
 import pytest
@@ -862,23 +863,39 @@ def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantiz
 
 # The shared-memory backward's bulk loads (SliceRing; sm_90, slices of x and dy kept on chip: every such slice): x and
 # dy in 4 chunks of whole rounds of the block's 512 threads on two mbarriers each, each refilled with the block's next
-# row once the dx pass has read it (without dx: the whole slice, after one barrier). Devices: None, the default sm_90.
+# row once the dx pass has read it (without dx: the whole slice, after one barrier). Devices: shared memory a block
+# (None: the default sm_90's). Last: whether the held-sums instance (gradient sums in registers, launch_plan.h's
+# held_sum_rounds: slices of at most 4 rounds for LayerNorm, 8 for RMSNorm) runs the LayerNorm and the RMSNorm case.
 BACKWARD_BULK_RING_CASES = [
-    (torch.float32, 8200, True),  # a block: 2050 vectors, chunks of 1024, the third of 2, the fourth empty
-    (torch.bfloat16, 8200, True),  # 8-element vectors: 1025 a block, chunks of 512, the third of 1
-    (torch.float64, 8200, True),  # a cluster of 2 blocks of 2050 2-element vectors
-    (torch.float32, 9000, False),  # no weight: nothing staged beside the row
+    (
+        torch.float32,
+        8200,
+        True,
+        None,
+        (False, True),
+    ),  # a block: 2050 vectors (5 rounds), chunks of 1024, the fourth empty
+    (torch.bfloat16, 8200, True, None, (True, True)),  # 8-element vectors: 1025 a block (3 rounds), chunks of 512
+    (torch.float64, 8200, True, None, (False, False)),  # a cluster of 2 blocks of 2050 2-element vectors; float64 sums
+    (torch.float32, 9000, False, None, (False, True)),  # no weight: nothing staged beside the row
+    (torch.float32, 8200, True, 100 * 1024, (True, True)),  # a cluster of 2: 1025 vectors a block (3 rounds)
+    (torch.bfloat16, 8200, True, 64 * 1024, (True, True)),  # a cluster of 2: 513 vectors a block (2 rounds)
 ]
+
+
+def _held_rounds(kernel):
+    """The HELD template argument of a shared-memory backward kernel's mangled name (0: its sums in shared memory)."""
+    return int(re.search(r"norm_backward_shared_kernel.*?NormKindE\dELi\d+ELi(\d+)E", kernel).group(1))
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("mask", [(True, True, True), (False, True, True), (True, False, False)])
-@pytest.mark.parametrize("dtype,cols,affine", BACKWARD_BULK_RING_CASES)
-def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
+@pytest.mark.parametrize("dtype,cols,affine,shared,held", BACKWARD_BULK_RING_CASES)
+def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine, shared, held):
     # Regression guard for the backward's bulk loads: two resident blocks (a cluster of 2: a row's, or two groups of
     # a block a row; or two blocks alone without parameter gradients) walk 11 rows, bitwise as each row alone (dx; no
     # refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the slices staged through
-    # registers; every gradient), which takes 64 bytes less shared memory (the mbarriers).
+    # registers; every gradient), which takes 64 bytes less shared memory (the mbarriers): for the held-sums instance
+    # (the held cases of a block a row) its gradient sums in registers bitwise as those in shared memory.
     rows = 11
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
 
@@ -891,12 +908,14 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
         launch = next(r for r in json.loads(ops.take_launch_log()) if "norm_backward" in r["kernel"])
         return out[1:], launch
 
-    with _device():
-        ops.set_device(1, 1024, None, 2)  # two blocks resident: they walk every row
+    with _device(shared=shared):
+        ops.set_device(1, 1024, shared, 2)  # two blocks resident: they walk every row
         *_, cluster, _, _, on_chip, _ = ops.plan("bwd", rows, cols, dtype.itemsize, True, 0, 2 if affine else 0)
         assert on_chip, "the row on chip (with every gradient's sums): the bulk loads' slices"
         walked, launch = backward(x, dy)
         assert "shared" in launch["kernel"] and launch["grid"] == 2
+        if mask == (True, True, True):
+            assert (_held_rounds(launch["kernel"]) > 0) == held[kind == "rms"]
         for r in (0, 5, rows - 1):
             alone, _ = backward(x[r : r + 1].clone(), dy[r : r + 1].clone())
             assert torch.equal(walked[0][r : r + 1], alone[0]), f"dx of row {r}"
@@ -908,9 +927,28 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine):
         for w, u in zip(walked, unbulked):
             assert (w is None and u is None) or torch.equal(w, u)
     if mask == (True, True, True):
-        with _device():
-            ops.set_device(1, 1024, None, 2)
+        with _device(shared=shared):
+            ops.set_device(1, 1024, shared, 2)
             _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize(
+    "dtype,param_dtype",
+    # The held-sums instances test_backward_bulk_ring_walks_rows does not launch (its weights are in x's dtype).
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)],
+)
+def test_backward_held_sums_every_parameter_dtype(kind, dtype, param_dtype):
+    # The held-sums instance for 16-bit rows with each weight dtype: a cluster of 2 blocks of 64 KB holds the row of
+    # 8200 (513 vectors a block: 2 rounds of 512 threads, within LayerNorm's 4 and RMSNorm's 8), within tolerance of
+    # torch.
+    rows, cols = 11, 8200
+    x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
+    with _device(shared=64 * 1024):
+        ops.set_device(1, 1024, 64 * 1024, 2)
+        _, launch = _backward_launch_of(lambda: _emulated(kind, x, weight, bias, dy, 1e-5))
+        assert launch["cluster"] == 2 and _held_rounds(launch["kernel"]) == (4 if kind == "layer" else 8)
+        _check_against_torch(kind, x, weight, bias, dy)
 
 
 # The register backward's prefetch of its next tile (TilePrefetch): tiles of each shape the register kernels take.
