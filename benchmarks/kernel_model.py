@@ -434,11 +434,20 @@ BULK_STAGES = 4  # kBulkStages: the chunks of the shared-memory kernels' bulk lo
 def bulk_loads(mode: str, plan: dict, elem: int, fused: bool) -> bool:
     """Whether the shared-memory kernel loads its slices by bulk copies (launch_plan.h's bulk_stages and bulk_loads:
     an sm_90 such as the H200, slices kept as stored in 16-byte vectors; the forward: a row normalized as loaded,
-    slices of more than one register round; the backward: the row on chip, x and dy of one size, which the model
-    takes the fused add's x, its residual stream, not to be)."""
-    if plan["path"] != "shared" or fused or plan["vec"] * elem != 16:
-        return False
-    return mode == "bwd" or plan["slice_vectors"] > FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
+    every slice; the backward: the row on chip, x and dy of one size, which the model takes the fused add's x, its
+    residual stream, not to be)."""
+    return plan["path"] == "shared" and not fused and plan["vec"] * elem == 16
+
+
+def kept_in_registers(mode: str, plan: dict, elem: int, fused: bool) -> bool:
+    """Whether the forward's shared-memory kernel keeps its bulk-loaded slice in registers (forward.cuh's `kept`): at
+    most one register round (FORWARD_SHARED_UNROLL vectors a thread), read from shared memory once, every chunk
+    released for the next row's copies right after."""
+    return (
+        mode == "fwd"
+        and bulk_loads(mode, plan, elem, fused)
+        and plan["slice_vectors"] <= FORWARD_SHARED_UNROLL * SHARED_ROW_THREADS
+    )
 
 
 def held_sums(op: str, mode: str, plan: dict, elem: int, fused: bool) -> bool:
@@ -455,12 +464,15 @@ def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool)
     """The share of a step's load bursts that the row kernel issues during the row before (its reductions, passes
     and stores), so that they overlap the rest of the period instead of adding to it (period_us): all of them in the
     register kernels with a prefetch ring, and in the forward register kernels without one whose next row, as
-    stored, is at most PREFETCH_BYTES a thread (prefetches_next_row); with bulk loads, every chunk but the last (each
+    stored, is at most PREFETCH_BYTES a thread (prefetches_next_row); every chunk where the forward keeps its slice
+    in registers (all refilled after the first pass); with other bulk loads, every chunk but the last (each
     refilled once the last pass over it, the forward's normalize or the backward's dx pass, has read it; the last at
     the row's end); the first of the other forward shared-memory kernels' rounds (load_slice_round); none
     elsewhere."""
     if not bursts:
         return 0.0
+    if kept_in_registers(mode, plan, elem, fused):
+        return 1.0
     if bulk_loads(mode, plan, elem, fused):
         return (BULK_STAGES - 1) / BULK_STAGES
     if plan.get("prefetch_stages"):
@@ -552,8 +564,11 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
         per_block_scalar = calls * (_row_sum_requests(threads) + (warps * 2 * c if c > 1 else 0))
         if mode == "fwd":
             params = parameter_count(op) if plan["slice_params"] else 0
-            vector = slots * (3 * _pieces(vec, elem) + params * _pieces(vec, elem))
-            vector_bytes = count * vec * elem * (3 + params)
+            # The slice's passes: staged (or bulk-loaded and summed), then read by the variance and normalize passes;
+            # kept in registers, read once.
+            passes = 1 if kept_in_registers(mode, plan, elem, fused) else 3
+            vector = slots * (passes * _pieces(vec, elem) + params * _pieces(vec, elem))
+            vector_bytes = count * vec * elem * (passes + params)
             out["bursts"] = 1 if bulk else -(-per_thread // FORWARD_SHARED_UNROLL)
             out["burst_streams"] = 1
             out["lone_dram"] = per_thread if fused else 0  # the residual, added vector by vector after the burst

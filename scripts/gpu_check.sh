@@ -185,7 +185,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-held-sums/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-kept-slices/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
@@ -213,7 +213,7 @@ if wants ab; then
     ab ring_main 60 "512 1024 4096 8192" "fwd bwd"
     ab ring_2_stages 60 "512 1024 4096 8192" "fwd bwd" TLN_X_RING_STAGES=2
     ab ring_none 60 "512 1024 4096 8192" "fwd bwd" TLN_X_NO_PREFETCH=1
-    # The shared-memory kernels' bulk loads (SliceRing).
+    # The shared-memory kernels' bulk loads (SliceRing; the forward's slices kept in registers after one read).
     ab bulk_main 45 "32768 262144" "fwd bwd"
     ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1
     # The shared-memory backward's gradient sums in registers (main, bulk_main above) or in shared memory.

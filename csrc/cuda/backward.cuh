@@ -734,9 +734,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
         int waited = 0;
 #pragma unroll
         for (int round = 0; round < HELD; ++round) {
-          for (; waited < p.bulk_stages && ring.begin(waited) <= int64_t{round} * threads; ++waited) {
-            ring.wait(waited, parity);
-          }
+          ring.wait_through_round(waited, round, threads, parity);
           const int64_t c = dev::thread_x() + int64_t{round} * threads;
           if (c >= count) continue;
           acc_t xhat[VEC], dy[VEC];

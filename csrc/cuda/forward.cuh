@@ -547,14 +547,30 @@ TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const ForwardParams<T, 
   ring.load(producer && row < p.rows, from, to, SliceRing::Stream{shared, p.x + p.x_rows.offset(row) + first * VEC});
 }
 
+// Normalizes vector c of a block's slice (whose first vector is `first`) and stores it to y, with the weight and bias
+// from the block's copy where p.staged_params, from global memory otherwise.
+template <int VEC, typename T, typename W, typename acc_t, typename R>
+TLN_DEVICE void normalize_slice_vector(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t first, int64_t c,
+                                       const acc_t (&v)[VEC], acc_t mean, acc_t rstd,
+                                       const SlicedParams<W, VEC>& params) {
+  if (p.staged_params) {
+    normalize_and_store(p, row, first + c, v, mean, rstd, params);
+  } else {
+    normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
+  }
+}
+
 // Rows too long for registers, staged in shared memory: a row per block, or per thread-block cluster of
 // p.cluster_blocks (sm_90), each block holding p.slice_vectors of it (its slice) as R, the type of the normalized
 // row (x's, or residual_out's after a residual add: the row exactly as normalized, in the fewest bytes), and, where
 // p.staged_params, its slice of the weight and bias, copied once. x is read once, kSharedRowUnroll vectors a thread
 // at a time, all in flight before the first is used; the statistics come from shared memory (corrected two-pass); y is
 // written once. A thread reads back only the vectors it staged, so the staging needs no barrier (bulk loads: each
-// chunk's two mbarriers, SliceRing; the quantized instances refill the slice whole after a block barrier). The grid
-// is the clusters the device holds at once, each walking rows.
+// chunk's two mbarriers, SliceRing; the quantized instances refill the slice whole after a block barrier). A
+// bulk-loaded slice of at most kSharedRowUnroll rounds of the block's threads is read from shared memory once, into
+// registers, and its chunks released for the next row's copies at once: that row's loads are in flight during this
+// row's reductions and normalize pass, which read the registers. The grid is the clusters the device holds at once,
+// each walking rows.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, bool QUANTIZED>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(ForwardParams<T, W, acc_t, R> p) {
   using RowPieces = typename SharedVectors<R, VEC>::Piece;
@@ -585,7 +601,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   const int64_t row_step = dev::grid_dim_x() / cluster;
   // The slice's first round of loads (kSharedRowUnroll vectors a thread) of the row the block walks next is issued
   // as soon as this row's are staged: it is in flight during this row's reductions and its normalize pass. With bulk
-  // loads, every chunk of the block's first row instead.
+  // loads, every chunk of the block's first row instead; where the slice is kept in registers (`kept`), `raw` holds
+  // this row's vectors, vector thread + k x threads in raw[k] (R is T there).
+  const bool kept = !QUANTIZED && bulk && count <= int64_t{kSharedRowUnroll} * threads;
   Vec<T, VEC> raw[kSharedRowUnroll];
   if (!bulk) load_slice_round(p, dev::block_x() / cluster, first, count, dev::thread_x(), raw);
   if (bulk) load_slice_chunks<VEC>(ring, p, shared, first, producer, dev::block_x() / cluster, 0, p.bulk_stages);
@@ -593,7 +611,25 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
   for (int64_t row = dev::block_x() / cluster; row < p.rows; row += row_step, parity ^= 1) {
     acc_t sum = acc_t(0);
     acc_t v[VEC];
-    for (int k = 0; bulk && k < p.bulk_stages; ++k) {
+    if constexpr (kBulkable) {
+      if (kept) {  // round by round (chunks are whole rounds), each chunk waited for before its first round
+        int waited = 0;
+#pragma unroll
+        for (int k = 0; k < kSharedRowUnroll; ++k) {
+          ring.wait_through_round(waited, k, threads, parity);
+          const int64_t c = dev::thread_x() + int64_t{k} * threads;
+          if (c >= count) continue;
+          slice.load(c, raw[k].v);
+          to_acc(raw[k], v);
+          sum += vector_sum(v);
+        }  // (every chunk with vectors begins at a round: the empty ones need no wait)
+        for (int k = 0; k < p.bulk_stages; ++k) {
+          ring.release(k, parity, producer);  // chunk k read by every thread (thread 0 waits for that)
+          load_slice_chunks<VEC>(ring, p, shared, first, producer, row + row_step, k, k + 1);
+        }
+      }
+    }
+    for (int k = 0; bulk && !kept && k < p.bulk_stages; ++k) {
       ring.wait(k, parity);
       for (int64_t c = ring.begin(k) + dev::thread_x(); c < ring.end(k); c += threads) {
         slice.load(c, v);
@@ -626,13 +662,24 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
     // count times that mean's rounding error; added back, the mean is exact to rounding even for a large mean and a
     // small spread (rows of 16K+ values), and the squares lose only that error's square (never E[x^2] - E[x]^2).
     acc_t deviations = acc_t(0), squares = acc_t(0);
-    for (int64_t c = dev::thread_x(); c < count; c += threads) {
-      slice.load(c, v);
+    const auto add_deviations = [&](const acc_t(&v)[VEC]) {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         deviations += v[j] - mean;
         squares += (v[j] - mean) * (v[j] - mean);
       }
+    };
+    if (kept) {
+#pragma unroll
+      for (int k = 0; k < kSharedRowUnroll; ++k) {
+        if (dev::thread_x() + int64_t{k} * threads >= count) break;
+        to_acc(raw[k], v);
+        add_deviations(v);
+      }
+    }
+    for (int64_t c = dev::thread_x(); !kept && c < count; c += threads) {
+      slice.load(c, v);
+      add_deviations(v);
     }
     cluster_reduce2(deviations, squares, threads, scratch);
     if (KIND == NormKind::LayerNorm) {
@@ -662,17 +709,23 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_forward_shared_kernel(
       if (bulk) load_slice_chunks<VEC>(ring, p, shared, first, producer, row + row_step, 0, p.bulk_stages);
       continue;
     }
+    if (kept) {  // from registers (the chunks already refilled)
+#pragma unroll
+      for (int k = 0; k < kSharedRowUnroll; ++k) {
+        const int64_t c = dev::thread_x() + int64_t{k} * threads;
+        if (c >= count) break;
+        to_acc(raw[k], v);
+        normalize_slice_vector(p, row, first, c, v, mean, rstd, params);
+      }
+      continue;
+    }
     // By chunks of the ring (the whole slice as one without bulk loads): a chunk read by the block is refilled with
     // the next row's at once.
     const int chunks = bulk ? p.bulk_stages : 1;
     for (int k = 0; k < chunks; ++k) {
       for (int64_t c = (bulk ? ring.begin(k) : 0) + dev::thread_x(); c < (bulk ? ring.end(k) : count); c += threads) {
         slice.load(c, v);
-        if (p.staged_params) {
-          normalize_and_store(p, row, first + c, v, mean, rstd, params);
-        } else {
-          normalize_and_store(p, row, first + c, v, mean, rstd, GlobalParams<W, VEC>{p.weight, p.bias});
-        }
+        normalize_slice_vector(p, row, first, c, v, mean, rstd, params);
       }
       if (!bulk) continue;
       ring.release(k, parity, producer);  // chunk k read by every thread (thread 0 waits for that)

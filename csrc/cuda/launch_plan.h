@@ -198,13 +198,11 @@ struct SharedRowSpace {
 };
 
 // The chunks `plan`'s shared-memory kernel loads by bulk copies (ForwardParams/BackwardParams::bulk_stages; 0: none),
-// where `space` has their room. The forward takes them for slices the staging through registers loads in several
-// rounds (more than kSharedRowUnroll vectors a thread), of which it prefetches only the first: a slice of one round it
-// prefetches whole, during the row before, which the chunks (each refilled only once the block has read it) do not
-// beat (kernel model). The backward, whose staging prefetches nothing, takes them for every slice it keeps on chip.
+// where `space` has their room. The forward takes them for every slice: one of at most kSharedRowUnroll rounds of
+// the block's threads it reads once, into registers, releasing every chunk for the next row's copies at once; a
+// longer one chunk by chunk as its normalize pass reads it. The backward takes them for every slice it keeps on chip.
 inline int bulk_loads(const RowPlan& plan, const SharedRowSpace& space, bool forward) {
-  const bool takes = forward ? plan.slice_vectors > int64_t{kSharedRowUnroll} * kSharedRowThreads : plan.row_on_chip;
-  return plan.shared_row() && takes ? space.bulk_stages : 0;
+  return plan.shared_row() && (forward || plan.row_on_chip) ? space.bulk_stages : 0;
 }
 
 // The rounds of its block's threads a slice may have for the shared-memory backward's held-sums instance, which keeps

@@ -218,6 +218,11 @@ struct SliceRing {
   TLN_DEVICE void wait(int k, unsigned parity) const {
     if (begin(k) < end(k)) dev::mbarrier_wait(&full[k], parity);
   }
+  // Every thread reading the slice round by round (chunks are whole rounds of the block's `threads`), before round
+  // `round`: a wait for the chunks not yet waited for (the first `waited`) that begin at or before it.
+  TLN_DEVICE void wait_through_round(int& waited, int round, int threads, unsigned parity) const {
+    for (; waited < stages && begin(waited) <= int64_t{round} * threads; ++waited) wait(waited, parity);
+  }
   // Every thread, after its last read of chunk k of the row of this `parity`; thread 0 (`producer`) then waits for
   // the block's reads before it refills the chunk (load). The arrival's release and the wait's acquire order the
   // reads before the refill's proxy fence and copy.

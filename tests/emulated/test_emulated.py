@@ -811,10 +811,15 @@ def test_forward_prefetch_walks_rows(kind, dtype, cols, prefetches):
     _check_against_torch(kind, x, weight, bias, dy)
 
 
-# The shared-memory forward's bulk loads (SliceRing, csrc/cuda/shared_vectors.cuh; sm_90 only, for slices of more
-# than 8 x 512 vectors: launch_plan.h's bulk_loads): the slice in 4 chunks of whole rounds of the block's 512 threads,
-# each refilled with the block's next row once read. Devices: None, the default sm_90 (227 KB a block).
+# The shared-memory forward's bulk loads (SliceRing, csrc/cuda/shared_vectors.cuh; sm_90 only, every slice:
+# launch_plan.h's bulk_loads): the slice in 4 chunks of whole rounds of the block's 512 threads, each refilled with the
+# block's next row once read; a slice of at most 8 rounds (kept) is read once into registers and every chunk refilled
+# right after. Devices: None, the default sm_90 (227 KB a block).
 BULK_RING_CASES = [
+    (torch.float32, 20000, True, None),  # kept: a cluster of 2, 2500 vectors a block (5 rounds), chunks of 1024
+    (torch.bfloat16, 20000, True, None),  # kept: a block of 2500 8-element vectors; chunk 3 short, chunk 4 empty
+    (torch.float64, 10000, True, None),  # kept: a cluster of 2, 2500 2-element vectors a block
+    (torch.float32, 20000, False, 64 * 1024),  # kept: no weight; a cluster of 2 of 64 KB
     (torch.float32, 16392, True, None),  # a block: 4098 vectors, chunks of 1536, the last of the four empty
     (torch.float64, 8200, True, None),  # 2-element vectors: 4100 a block
     (torch.bfloat16, 36872, True, None),  # 8-element vectors: 4609 a block, chunks of 1536 (the third short)
@@ -830,16 +835,15 @@ BULK_RING_CASES = [
 )
 def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantized):
     # Regression guard for the bulk loads: one cluster resident, which walks 11 rows (each chunk refilled with the
-    # next row's once every thread has released it; the quantized epilogue refills the slice whole), comes out bitwise as
-    # each row alone (no refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the
-    # slice staged through registers), which takes 64 bytes less shared memory (the 4 chunks' full and empty mbarriers).
+    # next row's once every thread has released it, at once where the slice is kept in registers; the quantized
+    # epilogue refills the slice whole), comes out bitwise as each row alone (no refill) and, with a block a row, as a
+    # device without bulk loads (no clusters: sm_80, the slice staged through registers), which takes 64 bytes less
+    # shared memory (the 4 chunks' full and empty mbarriers).
     rows = 11
     x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
     params = (2 if kind == "layer" else 1) if affine else 0
     with _device(shared=shared):
-        vec, *_, cluster = ops.plan("fwd", rows, cols, dtype.itemsize, True, 0, params)[:6]
-    nvec = -(-cols // vec)
-    assert -(-nvec // cluster) > 8 * 512, "a slice of one register round: no bulk loads"
+        *_, cluster = ops.plan("fwd", rows, cols, dtype.itemsize, True, 0, params)[:6]
 
     def forward(inputs):
         return _forward_quant(kind, inputs, weight, bias) if quantized else _forward_kernel(kind, inputs, weight, bias)
