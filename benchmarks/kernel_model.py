@@ -450,14 +450,11 @@ def kept_in_registers(mode: str, plan: dict, elem: int, fused: bool) -> bool:
     )
 
 
-def held_sums(op: str, mode: str, plan: dict, elem: int, fused: bool) -> bool:
-    """Whether the shared-memory backward runs its held-sums instance (launch_plan.h's held_sum_rounds): bulk loads,
-    float32 sums, and a slice of at most 8 / gradients rounds of the block's threads (8 vectors of sums a thread); its
-    gradient sums stay in registers, with no shared-memory read and write a row."""
-    if mode != "bwd" or elem == 8 or not bulk_loads(mode, plan, elem, fused):
-        return False
-    rounds = 8 // parameter_count(op)
-    return -(-plan["slice_vectors"] // SHARED_ROW_THREADS) <= rounds
+def held_sums(op: str, mode: str, plan: dict, fused: bool) -> int:
+    """The gradients whose sums the shared-memory backward holds in registers (launch_plan.h's held_gradients, as
+    planned), with no shared-memory read and write of them a row: none with the fused add (the plan is the plain
+    norm's; its rows are not bulk-loaded)."""
+    return min(plan["held"], parameter_count(op)) if mode == "bwd" and not fused else 0
 
 
 def prefetched_share(mode: str, plan: dict, elem: int, bursts: int, fused: bool) -> float:
@@ -574,8 +571,8 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             out["lone_dram"] = per_thread if fused else 0  # the residual, added vector by vector after the burst
             out["lone_l2"] = 0 if plan["slice_params"] else per_thread  # the weight and bias from global memory
         else:
-            # The gradient sums' read and write a row, in shared memory (none in the held-sums instance).
-            grads = 0 if held_sums(op, mode, plan, elem, fused) else parameter_count(op)
+            # The gradient sums' read and write a row, in shared memory (not those the held-sums instances hold).
+            grads = parameter_count(op) - held_sums(op, mode, plan, fused)
             acc = _pieces(vec, 4)
             on_chip = plan["path"] == "shared"
             vector = slots * (
@@ -732,7 +729,7 @@ def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: i
         planned = o.plan(mode, M, D, elem, True, blocks_per_sm, parameter_count(op))
     finally:
         o.set_device(2, 2048)
-    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params, row_on_chip, partial_cluster = planned
+    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params, row_on_chip, partial_cluster, held = planned
     return {
         "vec": vec,
         "items": items,
@@ -747,6 +744,7 @@ def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: i
         "shared_smem": shared_smem,
         "slice_params": bool(slice_params),
         "slice_vectors": -(-math.ceil(D / vec) // cluster) if cluster > 0 else 0,  # plan_rows: ceil(nvec / cluster)
+        "held": held,  # the backward's held-sums instance: the gradients whose sums it holds (SharedRowSpace::held)
     }
 
 

@@ -546,21 +546,28 @@ TLN_DEVICE void add_gradient_terms(const BackwardParams<T, W, acc_t, R>& p, bool
   if (dbias) add(1, dy);
 }
 
-// The shared-memory backward's gradient sums held in registers (its held-sums instances, HELD > 0): the sums of the
-// vectors c = thread + round * threads of the block's slice (rounds 0 .. HELD - 1), added to with no shared-memory
-// read and write a row, and stored to the block's sums in shared memory once, after its last row. GRADS: the
-// gradients the norm has (LayerNorm: weight and bias; RMSNorm: the weight).
-template <typename acc_t, int VEC, int HELD, int GRADS>
+// The shared-memory backward's gradient sums held in registers (its held-sums instances): the sums of gradients
+// 0 .. GRADS - 1 (0: the weight's, 1: the bias') of the vectors c = thread + round * threads of the block's slice
+// (rounds 0 .. ROUNDS - 1), added to with no shared-memory read and write a row, and stored to the block's sums in
+// shared memory once, after its last row.
+template <typename acc_t, int VEC, int ROUNDS, int GRADS>
 struct HeldGradientSums {
-  acc_t sums[GRADS][HELD][VEC] = {};
+  acc_t sums[GRADS][ROUNDS][VEC] = {};
 
-  TLN_DEVICE void add(int gradient, int round, const acc_t (&v)[VEC]) {
+  // Gradient `gradient`'s terms of slice vector c, of round `round`: to its held sums, or to `shared` (its sums in
+  // shared memory) where it has none.
+  TLN_DEVICE void add(int gradient, int round, int64_t c, const acc_t (&v)[VEC],
+                      const SharedVectors<acc_t, VEC>& shared) {
+    if (gradient >= GRADS) {
+      add_to_sums(shared, c, v);
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < VEC; ++j) sums[gradient][round][j] += v[j];
   }
   TLN_DEVICE void store(const SharedVectors<acc_t, VEC> (&to)[2], const bool (&wanted)[2], int64_t count) const {
 #pragma unroll
-    for (int round = 0; round < HELD; ++round) {
+    for (int round = 0; round < ROUNDS; ++round) {
       const int64_t c = dev::thread_x() + int64_t{round} * dev::block_dim_x();
 #pragma unroll
       for (int g = 0; g < GRADS; ++g) {
@@ -649,17 +656,25 @@ TLN_DEVICE void load_slice_chunks(const SliceRing& ring, const BackwardParams<T,
 // engine load the slices of x and dy into shared memory (SliceRing), the block's next row's chunk by chunk as the dx
 // pass finishes each: that row's loads are in flight during this row's dx pass and the next row's reductions.
 // The weight slice is copied on chip once where p.staged_weight, read per row from global memory (L2) otherwise.
-// HELD > 0: the held-sums instance, for bulk-loaded slices of at most HELD rounds of the block's threads (the
-// launcher's choice: RowPlan::held_sums), which keeps the gradient sums in registers for the whole walk
-// (HeldGradientSums) instead of reading and writing them in shared memory every row; it has no other loads.
+// HELD > 0: the held-sums instances, for bulk-loaded slices of at most kHeldSumVectors / HELD rounds of the block's
+// threads (the launcher's choice: RowPlan::held, held_gradients), which keep the sums of the first HELD gradients
+// (weight, bias) in registers for the whole walk (HeldGradientSums) instead of reading and writing them in shared
+// memory every row, and store them after it, over the slices of x and dy where those have the room
+// (held_sums_over_row); they have no other loads.
 template <typename T, typename W, typename acc_t, typename R, NormKind KIND, int VEC, int HELD = 0>
 TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel(BackwardParams<T, W, acc_t, R> p) {
   unsigned char* shared = dev::dynamic_shared<unsigned char>();
   const bool dweight = p.partial_dweight != nullptr;
   const bool dbias = KIND == NormKind::LayerNorm && p.partial_dbias != nullptr;
-  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, p.row_on_chip ? sizeof(R) : 0,
-                               int{p.staged_weight}, sizeof(W), sizeof(acc_t), p.row_on_chip ? sizeof(T) : 0,
-                               int{dweight} + int{dbias}, p.bulk_stages);
+  // The held gradients' sums stored over the row's slices after the walk (kOverRow), the others in rooms of their
+  // own from layout.grads.
+  constexpr bool kHeld = HELD > 0;
+  constexpr bool kOverRow = kHeld && held_sums_over_row(HELD, sizeof(acc_t), sizeof(R), sizeof(T));
+  const int held_requested = int{dweight && HELD >= 1} + int{dbias && HELD >= 2};
+  const size_t row_bytes = p.row_on_chip ? sizeof(R) : 0, dy_bytes = p.row_on_chip ? sizeof(T) : 0;
+  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, row_bytes, int{p.staged_weight}, sizeof(W),
+                               sizeof(acc_t), dy_bytes,
+                               own_sum_rows(int{dweight} + int{dbias}, held_requested, kOverRow), p.bulk_stages);
   auto vectors = [&](auto elem, size_t offset) {
     using E = decltype(elem);
     return SharedVectors<E, VEC>{reinterpret_cast<typename SharedVectors<E, VEC>::Piece*>(shared + offset),
@@ -668,9 +683,17 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   const SharedVectors<R, VEC> x_slice = vectors(R{}, 0);
   const SharedVectors<T, VEC> dy_slice = vectors(T{}, layout.dy);
   const SharedVectors<W, VEC> weight_slice = vectors(W{}, layout.weight);
-  const SharedVectors<acc_t, VEC> dweight_sums = vectors(acc_t{}, layout.grads);
-  const SharedVectors<acc_t, VEC> dbias_sums =
-      vectors(acc_t{}, layout.grads + (dweight ? SharedRowLayout::round16(dweight_sums.bytes(p.slice_vectors)) : 0));
+  size_t weight_sums_at = layout.grads;
+  size_t bias_sums_at = layout.grads + (dweight ? SharedRowLayout::round16(p.slice_vectors * VEC * sizeof(acc_t)) : 0);
+  if constexpr (kOverRow) {
+    // From the row's start: the weight's over x's slice (and dy's, for 16-bit rows), the bias' over dy's (float32
+    // rows: 16-bit ones hold both only in rooms of their own). The 0 is one ptxas cannot fold (the row is always on
+    // chip here): as a constant, the float32 RMSNorm instance spilled 28 bytes.
+    weight_sums_at = layout.grads * !p.row_on_chip;
+    bias_sums_at = HELD >= 2 ? layout.dy : layout.grads;
+  }
+  const SharedVectors<acc_t, VEC> dweight_sums = vectors(acc_t{}, weight_sums_at);
+  const SharedVectors<acc_t, VEC> dbias_sums = vectors(acc_t{}, bias_sums_at);
   acc_t* scratch = reinterpret_cast<acc_t*>(shared + layout.scratch);
   const int cluster = p.cluster_blocks;  // blocks a row is split over (a group)
   int groups = 1;
@@ -683,16 +706,16 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   for (int64_t c = dev::thread_x(); c < count; c += threads) {
     if (p.staged_weight)
       weight_slice.store(c, dev::load_global(reinterpret_cast<const Vec<W, VEC>*>(p.weight) + first + c));
-    if (dweight) dweight_sums.store(c, zeros);
-    if (dbias) dbias_sums.store(c, zeros);
+    if (dweight && HELD < 1) dweight_sums.store(c, zeros);  // (held sums start at zero in registers)
+    if (dbias && HELD < 2) dbias_sums.store(c, zeros);
   }
   // Bulk loads where the slices of x and dy are kept as stored, in 16-byte vectors (p.bulk_stages > 0: sm_90, the
   // row on chip).
   constexpr bool kBulkable = sizeof(R) == sizeof(T) && VEC * sizeof(T) == kVectorBytes;
-  constexpr bool kHeld = HELD > 0;
   static_assert(!kHeld || kBulkable, "the held-sums instance loads its slices by bulk copies only");
   const bool bulk = kHeld || (kBulkable && p.bulk_stages > 0);
-  HeldGradientSums<acc_t, VEC, kHeld ? HELD : 1, KIND == NormKind::LayerNorm ? 2 : 1> held;
+  constexpr int kHeldRounds = kHeld ? kHeldSumVectors / HELD : 1;
+  HeldGradientSums<acc_t, VEC, kHeldRounds, kHeld ? HELD : 1> held;
   const SliceRing ring(shared + layout.stages, count, p.bulk_stages, threads);
   const bool producer = dev::thread_x() == 0;
   if (bulk && producer) ring.init(threads);
@@ -733,14 +756,15 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       if (active) {
         int waited = 0;
 #pragma unroll
-        for (int round = 0; round < HELD; ++round) {
+        for (int round = 0; round < kHeldRounds; ++round) {
           ring.wait_through_round(waited, round, threads, parity);
           const int64_t c = dev::thread_x() + int64_t{round} * threads;
           if (c >= count) continue;
           acc_t xhat[VEC], dy[VEC];
           x_slice.load(c, xhat);
           dy_slice.load(c, dy);
-          add_terms(c, xhat, dy, [&](int gradient, const acc_t(&v)[VEC]) { held.add(gradient, round, v); });
+          add_terms(c, xhat, dy,
+                    [&](int gradient, const acc_t(&v)[VEC]) { held.add(gradient, round, c, v, dbias_sums); });
         }  // (every chunk with vectors begins at a round: the empty ones need no wait)
       }
     }
@@ -814,6 +838,8 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
       load_slice_chunks<VEC>(ring, p, shared, layout.dy, first, producer, row + row_step, chunk, chunk + 1);
     }
   }
+  // (Over the row, no barrier first: a thread's sums of vector c take the 16-byte pieces of its own vector c of x and
+  // of dy, SharedVectors' piece h at h * count + c, which only it reads.)
   if constexpr (kHeld) held.store({dweight_sums, dbias_sums}, {dweight, dbias}, count);
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores
   // The groups' gradient sums added in group order into the cluster's one partial row (slot: the cluster's index),
@@ -865,15 +891,18 @@ struct BackwardKernels {
       return &norm_backward_kernel<T, W, acc_t, R, K, VEC, ITEMS, GATED>;
     }
   }
-  // The shared-memory kernel; its held-sums instance where the plan says (RowPlan::held_sums: only for rows it has).
+  // The shared-memory kernel; its held-sums instances where the plan says (RowPlan::held: only for rows they have).
   template <NormKind K, int VEC>
   static constexpr Kernel shared_row(const RowPlan& plan) {
     if constexpr (GATED) {
       return nullptr;
     } else {
-      constexpr int kHeld = held_sum_rounds(VEC, sizeof(T), sizeof(R), sizeof(acc_t), K == NormKind::LayerNorm);
-      if constexpr (kHeld > 0) {
-        if (plan.held_sums) return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC, kHeld>;
+      constexpr bool kHeldable = sizeof(R) == sizeof(T) && VEC * sizeof(T) == kVectorBytes && sizeof(acc_t) == 4;
+      if constexpr (kHeldable && held_gradients(1, K == NormKind::LayerNorm, sizeof(T)) == 2) {
+        if (plan.held == 2) return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC, 2>;
+      }
+      if constexpr (kHeldable && held_gradients(kHeldSumVectors, K == NormKind::LayerNorm, sizeof(T)) == 1) {
+        if (plan.held == 1) return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC, 1>;
       }
       return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC>;
     }

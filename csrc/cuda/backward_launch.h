@@ -29,11 +29,12 @@ void launch_reduce_partials(const Params& p, const BackwardArgs& a, int64_t part
 }
 
 // Where the backward may stage rows too long for registers: x (R) and dy (T), the weight slice (W) where given,
-// and the requested gradients' sums (`grads` of them, acc_t), in the device's shared memory per block, over
-// clusters where it has them; and the bulk loads' mbarriers where x and dy read in 16-byte vectors (`vectorizable`)
-// are of one size.
+// and the requested gradients' sums (acc_t: the weight's where `weight_grad`, the bias' where `bias_grad`), in the
+// device's shared memory per block, over clusters where it has them; and the bulk loads' mbarriers where x and dy
+// read in 16-byte vectors (`vectorizable`) are of one size.
 template <typename acc_t, typename T, typename R, typename W>
-SharedRowSpace backward_shared_row_space(bool weight, int grads, bool vectorizable, const DeviceLimits& limits) {
+SharedRowSpace backward_shared_row_space(NormKind kind, bool weight, bool weight_grad, bool bias_grad,
+                                         bool vectorizable, const DeviceLimits& limits) {
   return {.row_elem_bytes = sizeof(R),
           .param_rows = int{weight},
           .param_elem_bytes = sizeof(W),
@@ -41,8 +42,11 @@ SharedRowSpace backward_shared_row_space(bool weight, int grads, bool vectorizab
           .smem_per_block = limits.max_shared_per_block,
           .max_cluster_blocks = limits.max_cluster_blocks,
           .dy_elem_bytes = sizeof(T),
-          .grad_rows = grads,
-          .bulk_stages = bulk_stages(limits.max_cluster_blocks, vectorizable && sizeof(R) == sizeof(T))};
+          .grad_rows = int{weight_grad} + int{bias_grad},
+          .bulk_stages = bulk_stages(limits.max_cluster_blocks, vectorizable && sizeof(R) == sizeof(T)),
+          .held_sums = true,
+          .layer_norm = kind == NormKind::LayerNorm,
+          .weight_grad = weight_grad};
 }
 
 template <typename Types>
@@ -79,8 +83,8 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   // A gated norm's rows too long for registers take the multi-pass kernel (no shared-memory path).
   const SharedRowSpace space =
       gated ? SharedRowSpace{}
-            : backward_shared_row_space<acc_t, T, R, W>(
-                  p.weight != nullptr, int{a.dweight.defined()} + int{a.dbias.defined()}, vec_ok, limits);
+            : backward_shared_row_space<acc_t, T, R, W>(kind, p.weight != nullptr, a.dweight.defined(),
+                                                        a.dbias.defined(), vec_ok, limits);
   RowPlan plan =
       plan_rows(k.rows, k.cols, sizeof(T), vec_ok,
                 gated ? BackwardKernels<T, W, acc_t, R, true>::budget : BackwardKernels<T, W, acc_t, R>::budget, space);
@@ -90,11 +94,6 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
   p.row_on_chip = plan.row_on_chip;
   p.staged_weight = plan.slice_params;
   p.bulk_stages = bulk_loads(plan, space, false);
-  // The gradient sums in registers where the bulk-loaded slice has no more rounds of the block's threads than the
-  // held-sums instance holds.
-  const int held_rounds = held_sum_rounds(plan.vec, sizeof(T), sizeof(R), sizeof(acc_t), kind == NormKind::LayerNorm);
-  plan.held_sums =
-      p.bulk_stages > 0 && held_rounds > 0 && plan.slice_vectors <= int64_t{held_rounds} * kSharedRowThreads;
   const auto launch = [&](auto kernel) {
     // The blocks whose partial rows become one: a cluster of partial_cluster groups (where the device has clusters),
     // each a block or a row's cluster of the shared-memory path; a block alone for a grouped norm, whose neighbouring

@@ -96,7 +96,7 @@ struct RowPlan {
   int64_t slice_vectors;
   bool slice_params;  // the shared-memory path also keeps its slice of the weight and bias on chip
   bool row_on_chip;   // the shared-memory path keeps its slice of the row (false: the backward reads it twice)
-  bool held_sums = false;  // the shared-memory backward's held-sums instance (its launcher's choice: held_sum_rounds)
+  int held = 0;       // the shared-memory backward's held-sums instance: the gradients it holds (SharedRowSpace::held)
 
   bool shared_row() const { return cluster_blocks > 0; }
   bool multipass() const { return items == 0 && !shared_row(); }
@@ -175,10 +175,36 @@ struct SharedRowLayout {
         total(stages + 2 * bulk_stages * sizeof(uint64_t)) {}  // a chunk's full and empty mbarriers
 };
 
+// The shared-memory backward's held-sums instances keep gradient sums in registers (HeldGradientSums) instead of
+// reading and writing them in shared memory every row, at most kHeldSumVectors vectors of float32 sums a thread
+// (ptxas sm_90, 512 threads: float32 LayerNorm holding both gradients' at 8 rounds spilled 28 bytes): for a slice of
+// `rounds` rounds of the block's threads, the sums of the first held_gradients (2: the weight's and the bias', 1: the
+// weight's). LayerNorm holds both up to 4 rounds and, for float32 rows, the weight's up to 8 (16-bit rows' 64
+// registers of them beside the bias' shared-memory sums spilled 4 bytes); RMSNorm its one up to 8. For bulk-loaded
+// slices with float32 sums only (x and dy of one size, in 16-byte vectors: the instances have no other loads).
+constexpr int kHeldSumVectors = 8;
+constexpr int held_gradients(int64_t rounds, bool layer_norm, size_t elem_bytes) {
+  if (!layer_norm) return rounds <= kHeldSumVectors ? 1 : 0;
+  if (rounds <= kHeldSumVectors / 2) return 2;
+  return rounds <= kHeldSumVectors && elem_bytes == 4 ? 1 : 0;
+}
+// Where a held-sums instance holding `held` gradients' sums stores them after its walk: over its slices of x and dy
+// (the walk done) where they have the room, in rooms of their own beside the other sums otherwise (16-bit LayerNorm
+// holding both).
+constexpr bool held_sums_over_row(int held, size_t acc_bytes, size_t row_elem_bytes, size_t dy_elem_bytes) {
+  return held * acc_bytes <= row_elem_bytes + dy_elem_bytes;
+}
+// The gradient sums' rows the shared-memory backward keeps rooms for after its slices of x and dy: all but the
+// `held_requested` ones stored over the row.
+constexpr int own_sum_rows(int grad_rows, int held_requested, bool over_row) {
+  return over_row ? grad_rows - held_requested : grad_rows;
+}
+
 // Room for the shared-memory path: what a row element takes there (the forward: the type of the normalized row;
 // the backward: x's, and dy's in dy_elem_bytes), the weight and bias rows given and their element size, the
 // accumulator's size, the device's shared memory per block (0: no shared-memory path) and cluster size, and the
-// backward's gradient sums kept on chip (grad_rows: one per requested parameter gradient).
+// backward's gradient sums kept on chip (grad_rows: one per requested parameter gradient; where the held-sums
+// instances may run, `held_sums`, some of them in registers: held).
 struct SharedRowSpace {
   size_t row_elem_bytes = 0;
   int param_rows = 0;
@@ -187,13 +213,30 @@ struct SharedRowSpace {
   size_t dy_elem_bytes = 0;
   int grad_rows = 0;
   int bulk_stages = 0;  // the bulk loads' chunks where taken (the function bulk_stages)
+  // The held-sums instances (the backward's, with its bulk loads): whether they may run, for which norm, and
+  // whether the weight's gradient is requested.
+  bool held_sums = false, layer_norm = false, weight_grad = false;
 
+  // Of the gradients whose sums a held-sums instance holds (`held`: held_gradients), the requested ones.
+  int held_requested(int held) const { return held >= 2 ? grad_rows : held == 1 ? int{weight_grad} : 0; }
+  // The gradients whose sums the held-sums instance holds for slices of `slice_vectors` vectors of `vec` elements
+  // (held_gradients; with the row on chip, bulk-loaded), where it holds a requested one; 0: no held-sums instance.
+  int held(int64_t slice_vectors, int vec, bool with_row = true) const {
+    const bool holds = held_sums && with_row && bulk_stages > 0 && acc_bytes == 4 && row_elem_bytes == dy_elem_bytes &&
+                       vec * dy_elem_bytes == kVectorBytes;
+    const int h = holds ? held_gradients(ceil_div(slice_vectors, kSharedRowThreads), layer_norm, dy_elem_bytes) : 0;
+    return held_requested(h) > 0 ? h : 0;
+  }
   // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
   SharedRowLayout layout(int64_t slice_vectors, int cluster_blocks, int vec, bool with_params,
                          bool with_row = true) const {
-    return {slice_vectors * vec,          cluster_blocks,   with_row ? row_elem_bytes : 0,
-            with_params ? param_rows : 0, param_elem_bytes, acc_bytes,
-            with_row ? dy_elem_bytes : 0, grad_rows,        bulk_stages};
+    const size_t row_bytes = with_row ? row_elem_bytes : 0, dy_bytes = with_row ? dy_elem_bytes : 0;
+    const int h = held(slice_vectors, vec, with_row);
+    const int own_rows =
+        own_sum_rows(grad_rows, held_requested(h), h > 0 && held_sums_over_row(h, acc_bytes, row_bytes, dy_bytes));
+    return {slice_vectors * vec, cluster_blocks, row_bytes, with_params ? param_rows : 0,
+            param_elem_bytes,    acc_bytes,      dy_bytes,  own_rows,
+            bulk_stages};
   }
 };
 
@@ -203,17 +246,6 @@ struct SharedRowSpace {
 // longer one chunk by chunk as its normalize pass reads it. The backward takes them for every slice it keeps on chip.
 inline int bulk_loads(const RowPlan& plan, const SharedRowSpace& space, bool forward) {
   return plan.shared_row() && (forward || plan.row_on_chip) ? space.bulk_stages : 0;
-}
-
-// The rounds of its block's threads a slice may have for the shared-memory backward's held-sums instance, which keeps
-// a thread's gradient sums in registers (HeldGradientSums), for vectors of `vec` elements: its bulk-loaded slices
-// (x and dy of one size, 16-byte vectors) with float32 sums, at most 8 vectors of them a thread (LayerNorm: 4 rounds
-// of weight and bias sums, RMSNorm 8 of weight sums: 32 registers for float32 rows, 64 for 16-bit ones; ptxas sm_90
-// fits every such instance at 512 threads in 120-128 registers with no spills, float32 LayerNorm at 8 rounds
-// spilled); 0: no such instance.
-constexpr int held_sum_rounds(int vec, size_t elem_bytes, size_t row_elem_bytes, size_t acc_bytes, bool layer_norm) {
-  const bool bulkable = row_elem_bytes == elem_bytes && vec * elem_bytes == kVectorBytes;
-  return bulkable && acc_bytes == 4 ? (layer_norm ? 4 : 8) : 0;
 }
 
 // The smallest cluster (a power of two up to kMaxClusterBlocks) whose blocks hold a row of `nvec` vectors in
@@ -268,6 +300,7 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
     }
     p.threads_per_row = p.shared_row() ? kSharedRowThreads : budget.max_threads;
     p.slice_vectors = p.shared_row() ? ceil_div(nvec, p.cluster_blocks) : 0;
+    p.held = p.shared_row() ? shared.held(p.slice_vectors, p.vec, p.row_on_chip) : 0;
   }
   p.rows_per_block = std::max(1, budget.rows_block_threads / p.threads_per_row);
   p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));

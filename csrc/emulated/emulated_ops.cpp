@@ -59,9 +59,11 @@ void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64
 }
 
 // The plan the launchers make on the emulated device (rows without a residual, `param_rows` of weight and bias in
-// the input's dtype; the backward: a weight where param_rows > 0, and param_rows gradients asked for): vec, items,
+// the input's dtype; the backward: a weight where param_rows > 0, and param_rows gradients asked for, a LayerNorm's
+// weight and bias where 2, an RMSNorm's weight where 1): vec, items,
 // threads_per_row, rows_per_block, blocks, cluster_blocks (the shared-memory path; 0 elsewhere), that path's shared
-// memory per block, whether it keeps the parameters there and whether it keeps the row there. The register and
+// memory per block, whether it keeps the parameters there and whether it keeps the row there, the backward's
+// partial_cluster_blocks and the gradients its held-sums instance holds (RowPlan::held). The register and
 // shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's threads per
 // SM alone, as the emulated launch counts it where set_device's shared_per_sm is not set); and the backward's
 // partial_cluster_blocks.
@@ -81,7 +83,10 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
                               .max_cluster_blocks = d.max_cluster_blocks,
                               .dy_elem_bytes = fwd ? 0 : elem,
                               .grad_rows = fwd ? 0 : static_cast<int>(param_rows),
-                              .bulk_stages = bulk_stages(d.max_cluster_blocks, vectorizable)};
+                              .bulk_stages = bulk_stages(d.max_cluster_blocks, vectorizable),
+                              .held_sums = !fwd,
+                              .layer_norm = param_rows == 2,
+                              .weight_grad = param_rows > 0};
   RowPlan p = plan_rows(rows, cols, static_cast<int>(elem_bytes), vectorizable,
                         for_accumulator(fwd ? kForwardBudget : kBackwardBudget, acc_bytes), shared);
   const int per_sm = blocks_per_sm > 0 ? static_cast<int>(blocks_per_sm) : d.max_threads_per_sm / p.block_threads();
@@ -98,7 +103,7 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
     limit_to_one_wave(p, d, per_sm);
   }
   return {p.vec, p.items,        p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks,
-          smem,  p.slice_params, p.row_on_chip,     partial_cluster};
+          smem,  p.slice_params, p.row_on_chip,     partial_cluster,  p.held};
 }
 
 void set_counting(bool on) { emu::set_counting(on); }

@@ -443,6 +443,9 @@ def test_backward_shared_row_partial_clusters(group, dtype, param_dtype, cols, k
         (4, 4, torch.bfloat16, torch.float32, 9, 8200),  # a cluster of 16 (sm_90's non-portable); mixed precision
         (8, 2, torch.float16, torch.float16, 3, 8200),  # 3 rows: the second group takes one, then idles
         (2, 8, torch.float32, torch.float32, 8, 8209),  # the scalar path (prime D), the last slice shorter
+        # 16-bit LayerNorm slices of 5 rounds: its sums in shared memory beside bulk loads (no held-sums instance
+        # holds them), a group idle in the last walk as in the first case; RMSNorm's held.
+        (2, 4, torch.bfloat16, torch.bfloat16, 11, 40000),
     ],
 )
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -868,27 +871,36 @@ def test_forward_bulk_ring_walks_rows(kind, dtype, cols, affine, shared, quantiz
 # The shared-memory backward's bulk loads (SliceRing; sm_90, slices of x and dy kept on chip: every such slice): x and
 # dy in 4 chunks of whole rounds of the block's 512 threads on two mbarriers each, each refilled with the block's next
 # row once the dx pass has read it (without dx: the whole slice, after one barrier). Devices: shared memory a block
-# (None: the default sm_90's). Last: whether the held-sums instance (gradient sums in registers, launch_plan.h's
-# held_sum_rounds: slices of at most 4 rounds for LayerNorm, 8 for RMSNorm) runs the LayerNorm and the RMSNorm case.
+# (None: the default sm_90's). Last: the gradients whose sums the held-sums instance holds in registers (launch_plan.h's
+# held_gradients: LayerNorm's weight and bias up to 4 rounds, the weight's alone up to 8 for float32 rows; RMSNorm's
+# weight up to 8) in the LayerNorm and the RMSNorm case, every gradient requested; 0: sums in shared memory.
 BACKWARD_BULK_RING_CASES = [
-    (
-        torch.float32,
-        8200,
-        True,
-        None,
-        (False, True),
-    ),  # a block: 2050 vectors (5 rounds), chunks of 1024, the fourth empty
-    (torch.bfloat16, 8200, True, None, (True, True)),  # 8-element vectors: 1025 a block (3 rounds), chunks of 512
-    (torch.float64, 8200, True, None, (False, False)),  # a cluster of 2 blocks of 2050 2-element vectors; float64 sums
-    (torch.float32, 9000, False, None, (False, True)),  # no weight: nothing staged beside the row
-    (torch.float32, 8200, True, 100 * 1024, (True, True)),  # a cluster of 2: 1025 vectors a block (3 rounds)
-    (torch.bfloat16, 8200, True, 64 * 1024, (True, True)),  # a cluster of 2: 513 vectors a block (2 rounds)
+    # A block: 2050 vectors (5 rounds), chunks of 1024, the fourth empty; LayerNorm's bias sums in shared memory beside
+    # the weight's held ones.
+    (torch.float32, 8200, True, None, (1, 1)),
+    (torch.bfloat16, 8200, True, None, (2, 1)),  # 8-element vectors: 1025 a block (3 rounds), chunks of 512
+    (torch.float64, 8200, True, None, (0, 0)),  # a cluster of 2 blocks of 2050 2-element vectors; float64 sums
+    (torch.float32, 9000, False, None, (0, 0)),  # no weight: nothing staged beside the row, no gradient sums
+    # A cluster of 2: 1025 vectors a block (3 rounds; a block's 5 rounds hold only the weight's sums in registers,
+    # which leaves the bias' a room too many).
+    (torch.float32, 8200, True, 100 * 1024, (2, 1)),
+    (torch.bfloat16, 8200, True, 64 * 1024, (2, 1)),  # LayerNorm: a cluster of 2, 513 vectors a block (2 rounds)
 ]
 
 
-def _held_rounds(kernel):
+def _held(kernel):
     """The HELD template argument of a shared-memory backward kernel's mangled name (0: its sums in shared memory)."""
     return int(re.search(r"norm_backward_shared_kernel.*?NormKindE\dELi\d+ELi(\d+)E", kernel).group(1))
+
+
+def _held_over_row_bytes(kernel, dtype, cols, mask):
+    """The shared memory a block's held-sums instance (a block a row) saves by storing its requested held sums over
+    its slices of x and dy (held_sums_over_row: where they have the room), `mask` the outputs asked for."""
+    held = _held(kernel)
+    requested = int(mask[1]) + int(mask[2]) if held == 2 else int(mask[1]) if held == 1 else 0
+    over_row = held * 4 <= 2 * dtype.itemsize
+    vec = 16 // dtype.itemsize
+    return requested * -(-cols // vec) * vec * 4 if over_row else 0
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -898,8 +910,9 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine, shared, 
     # Regression guard for the backward's bulk loads: two resident blocks (a cluster of 2: a row's, or two groups of
     # a block a row; or two blocks alone without parameter gradients) walk 11 rows, bitwise as each row alone (dx; no
     # refill) and, with a block a row, as a device without bulk loads (no clusters: sm_80, the slices staged through
-    # registers; every gradient), which takes 64 bytes less shared memory (the mbarriers): for the held-sums instance
-    # (the held cases of a block a row) its gradient sums in registers bitwise as those in shared memory.
+    # registers; every gradient), which takes 64 bytes less shared memory (the mbarriers) and the rooms of the sums
+    # the held-sums instances store over the row: for those (the held cases of a block a row) their gradient sums in
+    # registers bitwise as those in shared memory.
     rows = 11
     x, weight, bias, dy = _inputs(rows, cols, dtype, dtype, (affine, affine and kind == "layer"))
 
@@ -914,12 +927,14 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine, shared, 
 
     with _device(shared=shared):
         ops.set_device(1, 1024, shared, 2)  # two blocks resident: they walk every row
-        *_, cluster, _, _, on_chip, _ = ops.plan("bwd", rows, cols, dtype.itemsize, True, 0, 2 if affine else 0)
+        *_, cluster, _, _, on_chip, _, planned_held = ops.plan(
+            "bwd", rows, cols, dtype.itemsize, True, 0, (2 if kind == "layer" else 1) if affine else 0
+        )
         assert on_chip, "the row on chip (with every gradient's sums): the bulk loads' slices"
         walked, launch = backward(x, dy)
         assert "shared" in launch["kernel"] and launch["grid"] == 2
         if mask == (True, True, True):
-            assert (_held_rounds(launch["kernel"]) > 0) == held[kind == "rms"]
+            assert _held(launch["kernel"]) == planned_held == held[kind == "rms"]
         for r in (0, 5, rows - 1):
             alone, _ = backward(x[r : r + 1].clone(), dy[r : r + 1].clone())
             assert torch.equal(walked[0][r : r + 1], alone[0]), f"dx of row {r}"
@@ -927,7 +942,9 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine, shared, 
         with _device(cluster=1):
             ops.set_device(1, 1024, None, 1)
             unbulked, plain = backward(x, dy)
-        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 2 * 4 * 8
+        # The bulk loads' mbarriers, less the rooms of held sums stored over the row.
+        saved = _held_over_row_bytes(launch["kernel"], dtype, cols, mask)
+        assert "shared" in plain["kernel"] and launch["dynamic_smem"] - plain["dynamic_smem"] == 2 * 4 * 8 - saved
         for w, u in zip(walked, unbulked):
             assert (w is None and u is None) or torch.equal(w, u)
     if mask == (True, True, True):
@@ -943,15 +960,15 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine, shared, 
     [(torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)],
 )
 def test_backward_held_sums_every_parameter_dtype(kind, dtype, param_dtype):
-    # The held-sums instance for 16-bit rows with each weight dtype: a cluster of 2 blocks of 64 KB holds the row of
-    # 8200 (513 vectors a block: 2 rounds of 512 threads, within LayerNorm's 4 and RMSNorm's 8), within tolerance of
-    # torch.
+    # The held-sums instances for 16-bit rows with each weight dtype, within tolerance of torch: blocks of 64 KB hold
+    # the row of 8200 within 2-3 rounds of 512 threads (LayerNorm: both gradients' sums held, over a cluster of 2;
+    # RMSNorm: its sums stored over the row, a block or two by the weight's size).
     rows, cols = 11, 8200
     x, weight, bias, dy = _inputs(rows, cols, dtype, param_dtype, (True, kind == "layer"))
     with _device(shared=64 * 1024):
         ops.set_device(1, 1024, 64 * 1024, 2)
         _, launch = _backward_launch_of(lambda: _emulated(kind, x, weight, bias, dy, 1e-5))
-        assert launch["cluster"] == 2 and _held_rounds(launch["kernel"]) == (4 if kind == "layer" else 8)
+        assert _held(launch["kernel"]) == (2 if kind == "layer" else 1)
         _check_against_torch(kind, x, weight, bias, dy)
 
 
@@ -1219,7 +1236,7 @@ def test_plan_shared_memory_is_the_launch(mode, shared, cluster):
     cols = 32768
     x, weight, bias, dy = _inputs(2, cols, torch.bfloat16, torch.bfloat16, (True, True))
     with _device(shared=shared, cluster=cluster):
-        *_, planned_cluster, smem, _, _, _ = ops.plan(mode, 2, cols, 2, True, 0, 2)
+        *_, planned_cluster, smem, _, _, _, _ = ops.plan(mode, 2, cols, 2, True, 0, 2)
         if mode == "fwd":
             _, launch = _forward_kernel("layer", x, weight, bias)
         else:
