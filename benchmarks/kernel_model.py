@@ -333,31 +333,34 @@ def ring_instance(plan: dict, elem: int) -> bool:
     return plan["path"] == "registers" and plan["vec"] > 1 and elem != 8
 
 
-def prefetch_stage_bytes(mode: str, plan: dict, elem: int) -> int:
-    """A stage of a register kernel's prefetch ring (ThreadRing): each thread's vectors of x (the forward); of x (the
-    fused add's residual stream, in x's dtype as the model runs it) and dy, and its row's mean and rstd (float32;
-    the backward's TilePrefetch)."""
+def prefetch_stage_bytes(mode: str, plan: dict, elem: int, residual: bool = False) -> int:
+    """A stage of a register kernel's prefetch ring (ThreadRing): each thread's vectors of x, and of the fused add's
+    residual where `residual` (the forward's RowPrefetch); of x (the fused add's residual stream) and dy, and its
+    row's mean and rstd (float32; the backward's TilePrefetch). The residual stream in x's dtype, as the model runs
+    it."""
     per_thread = plan["items"] * plan["vec"] * elem
-    return plan["block_threads"] * (per_thread if mode == "fwd" else 2 * per_thread + 2 * 4)
+    if mode == "fwd":
+        return plan["block_threads"] * per_thread * (2 if residual else 1)
+    return plan["block_threads"] * (2 * per_thread + 2 * 4)
 
 
-def _ring_smem(op: str, mode: str, plan: dict, D: int, elem: int, stages: int) -> int:
+def _ring_smem(op: str, mode: str, plan: dict, D: int, elem: int, stages: int, residual: bool = False) -> int:
     """The register kernel's dynamic shared memory with a ring of `stages` (16-byte aligned after the rest)."""
     smem = _before_ring(op, mode, plan, D, elem)
-    return -(-smem // 16) * 16 + stages * prefetch_stage_bytes(mode, plan, elem) if stages else smem
+    return -(-smem // 16) * 16 + stages * prefetch_stage_bytes(mode, plan, elem, residual) if stages else smem
 
 
-def ring_stages(op: str, mode: str, plan: dict, D: int, elem: int, registers: int | None, static_smem: int) -> int:
+def ring_stages(
+    op: str, mode: str, plan: dict, D: int, elem: int, registers: int | None, static_smem: int
+) -> tuple[int, bool]:
     """The launchers' choice of ring (place_ring in launch_common.h, its callers in backward_launch.h and
-    forward_launch.h): 3 stages, else 2, the first the block's shared memory holds and its caller keeps, else none.
-    The forward's only where it is wanted (forward_ring_wanted), and it keeps a ring only where the SM still holds as
-    many blocks (its registers' occupancy and shared memory, kernel_resources.blocks_per_sm; registers None: the
-    emulated device's residency, which counts threads alone and so keeps every ring)."""
+    forward_launch.h): 3 stages, else 2, the first the block's shared memory holds and its caller keeps, else none;
+    and whether it holds the fused add's residual. The forward's only where it is wanted (forward_ring_wanted), of
+    both streams first for the fused add, else of x alone; it keeps a ring only where the SM still holds as many
+    blocks (its registers' occupancy and shared memory, kernel_resources.blocks_per_sm; registers None: the emulated
+    device's residency, which counts threads alone and so keeps every ring)."""
     if not ring_instance(plan, elem):
-        return 0
-    if mode == "fwd" and plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES and plan["threads_per_row"] > 32:
-        return 0  # forward_ring_wanted: block rows that the register prefetch serves
-
+        return 0, False
     # The forward's blocks an SM without a ring, which a ring must keep (None: keep any ring that fits, the backward's
     # rule and the emulated device's residency).
     threads, resident = plan["block_threads"], None
@@ -365,13 +368,17 @@ def ring_stages(op: str, mode: str, plan: dict, D: int, elem: int, registers: in
         resident = kernel_resources.blocks_per_sm(
             registers, threads, _ring_smem(op, mode, plan, D, elem, 0) + static_smem
         )
-    for stages in (3, 2):
-        smem = _ring_smem(op, mode, plan, D, elem, stages)
-        if smem <= H200.max_shared_per_block and (
-            resident is None or kernel_resources.blocks_per_sm(registers, threads, smem + static_smem) == resident
-        ):
-            return stages
-    return 0
+    register_prefetch = plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES and plan["threads_per_row"] > 32
+    for residual in (True, False) if mode == "fwd" and plan["residual"] else (False,):
+        if mode == "fwd" and register_prefetch and not residual:
+            continue  # forward_ring_wanted: block rows that the register prefetch serves, x alone
+        for stages in (3, 2):
+            smem = _ring_smem(op, mode, plan, D, elem, stages, residual)
+            if smem <= H200.max_shared_per_block and (
+                resident is None or kernel_resources.blocks_per_sm(registers, threads, smem + static_smem) == resident
+            ):
+                return stages, residual
+    return 0, False
 
 
 def launched_row_smem(
@@ -396,11 +403,12 @@ def emulated_shared_limit(op: str, mode: str, plan: dict, D: int, elem: int) -> 
     H200's do: the traffic runs keep one block an SM (their (rows, blocks) points must stay apart for the fit), so
     they cannot take the H200's residency (set_device's shared_per_sm), and a forward ring the H200 refuses for its
     occupancy is refused here by room. None: the H200's own limit."""
-    stages = plan.get("prefetch_stages", 0)
-    if mode != "fwd" or not ring_instance(plan, elem) or stages == 3:
+    stages, residual = plan.get("prefetch_stages", 0), plan.get("ring_residual", False)
+    if mode != "fwd" or not ring_instance(plan, elem) or (stages == 3 and residual == plan["residual"]):
         return None
-    # room for `stages` (2) and not one more; room for no ring and not 2
-    return _ring_smem(op, mode, plan, D, elem, stages or 2) - (0 if stages else 1)
+    # room for `stages` (2, or 3 of x alone) and not one more (nor a ring of both streams); room for no ring and not
+    # 2 stages of x
+    return _ring_smem(op, mode, plan, D, elem, stages or 2, residual) - (0 if stages else 1)
 
 
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
@@ -410,7 +418,7 @@ def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
     and of the weight and bias where they fit)."""
     if plan["path"] in ("shared", "reread"):
         return plan["shared_smem"]
-    return _ring_smem(op, mode, plan, D, elem, plan.get("prefetch_stages", 0))
+    return _ring_smem(op, mode, plan, D, elem, plan.get("prefetch_stages", 0), plan.get("ring_residual", False))
 
 
 def l1_free_bytes(blocks_per_sm: int, smem_per_block: int) -> int:
@@ -529,18 +537,20 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
         out["barriers"] = (2 * reductions if tpr > 32 else 0) / 1.0
         out["shared_requests"] = reductions * _row_sum_requests(tpr)
         if mode == "fwd":  # the weight and bias from the block's copy (the launcher stages them; model_case checks)
-            # and x from the prefetch ring (copied there by cp.async)
-            streams = parameter_count(op) + (1 if plan.get("prefetch_stages") else 0)
+            # and x, and the fused add's residual, from the prefetch ring (copied there by cp.async)
+            ring_streams = (2 if plan.get("ring_residual") else 1) if plan.get("prefetch_stages") else 0
+            streams = parameter_count(op) + ring_streams
             out["shared_requests"] += streams * slots * _pieces(vec, elem)
             out["shared_bytes"] = streams * D * elem
         elif plan.get("prefetch_stages"):  # the row read from the prefetch ring (copied there by cp.async)
             # x and dy; the mean (LayerNorm) and rstd, a scalar request per warp of the row
             out["shared_requests"] += slots * 2 * _pieces(vec, elem) + (2 if ln else 1) * tpr / 32
             out["shared_bytes"] = 2 * D * elem
-        # The fused add: the forward reads the residual and the backward the gradient of residual_out vector by
-        # vector, each load in its own branch before its use (SASS: LDG, use, STG per vector).
-        out["bursts"], out["lone_dram"], out["lone_l2"] = 1, per_lane if fused else 0, 0
-        out["burst_streams"] = 1 if mode == "fwd" else 2
+        # The fused add: the forward reads the residual (where no ring copies it) and the backward the gradient of
+        # residual_out vector by vector, each load in its own branch before its use (SASS: LDG, use, STG per vector).
+        ring_residual = mode == "fwd" and plan.get("ring_residual", False)
+        out["bursts"], out["lone_dram"], out["lone_l2"] = 1, per_lane if fused and not ring_residual else 0, 0
+        out["burst_streams"] = 2 if mode == "bwd" or ring_residual else 1
         return out
     if plan["path"] in ("shared", "reread"):
         c = max(1, plan["cluster"])
@@ -635,8 +645,8 @@ def check_structure(op: str, mode: str, dtype_name: str, D: int, fused: bool = F
     kernel's counters per row from small runs."""
     elem = DTYPES[dtype_name].itemsize
     M = case_rows(mode, D, elem)
-    plan = plan_on_h200(op, mode, D, M, elem, 1)
-    plan["prefetch_stages"] = ring_stages(op, mode, plan, D, elem, None, 0)
+    plan = plan_on_h200(op, mode, D, M, elem, 1, fused)
+    plan["prefetch_stages"], plan["ring_residual"] = ring_stages(op, mode, plan, D, elem, None, 0)
     ops().set_block_sample(8)
     try:
         traffic = traffic_coefficients(op, mode, D, M, DTYPES[dtype_name], plan, plan["blocks"], fused)
@@ -720,9 +730,10 @@ def case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool 
     return facts
 
 
-def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: int = 0) -> dict:
+def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: int = 0, fused: bool = False) -> dict:
     """The launchers' plan on an H200 (132 SMs, 227 KB of shared memory a block, clusters of 16), through the
-    emulated build's plan_rows; the grid at `blocks_per_sm` (0: by threads alone)."""
+    emulated build's plan_rows; the grid at `blocks_per_sm` (0: by threads alone). `fused`: the rows have a residual
+    stream (the fused add), which the forward's prefetch ring copies beside x."""
     o = ops()
     o.set_device(H200.sms, H200.threads_per_sm, None, H200.max_cluster_blocks)
     try:
@@ -745,6 +756,7 @@ def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: i
         "slice_params": bool(slice_params),
         "slice_vectors": -(-math.ceil(D / vec) // cluster) if cluster > 0 else 0,  # plan_rows: ceil(nvec / cluster)
         "held": held,  # the backward's held-sums instance: the gradients whose sums it holds (SharedRowSpace::held)
+        "residual": fused,
     }
 
 
@@ -752,7 +764,7 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
     dtype = DTYPES[dtype_name]
     elem = torch.empty(0, dtype=dtype).element_size()
     res_all = resources()
-    plan = plan_on_h200(op, mode, D, M, elem)
+    plan = plan_on_h200(op, mode, D, M, elem, fused=fused)
     rpb = plan["rows_per_block"]
     # The row kernel's residency from its registers (found by name after one small run).
     probe = emulate(op, mode, D, rpb, dtype, (1 << 20, plan["block_threads"], None, H200.max_cluster_blocks), fused)
@@ -762,7 +774,7 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
     res = {n: res_all.get(n, {}) for n in names}
     registers = res[row_kernel].get("registers", 32)
     static_smem = res[row_kernel].get("static_smem", 0)
-    plan["prefetch_stages"] = ring_stages(op, mode, plan, D, elem, registers, static_smem)
+    plan["prefetch_stages"], plan["ring_residual"] = ring_stages(op, mode, plan, D, elem, registers, static_smem)
     smem = row_kernel_smem(op, mode, plan, D, elem) + static_smem
     per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], smem)
     # The model's mirror of the launchers' rules (the forward's weight copy, either ring) against the launchers on a

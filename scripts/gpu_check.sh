@@ -185,7 +185,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-held-over-row/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-fused-ring/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
@@ -209,10 +209,22 @@ if wants ab; then
         --modes $modes --D $D --out "$WORK/ab/$name" > "$WORK/ab_$name.txt" 2>&1
       note "ab $name exit: $?"
     }
+    # The same for the fused add + LayerNorm forward (bench_add_norm.py, the fused op alone).
+    ab_add() {
+      local name=$1 seconds=$2 D=$3
+      shift 3
+      env "$@" TORCH_LN_ALLOW_STALE=1 PYTHONPATH="$WORK/experiment:$PYTHONPATH" timeout "$seconds" \
+        python3 benchmarks/bench_add_norm.py --op layer_norm --device cuda --quick --providers fused \
+        --dtypes float32 bfloat16 --modes fwd --D $D --out "$WORK/ab/$name" > "$WORK/ab_$name.txt" 2>&1
+      note "ab $name exit: $?"
+    }
     # The register kernels' prefetch rings (ThreadRing): 3 stages where they fit, at most 2, none.
     ab ring_main 60 "512 1024 4096 8192" "fwd bwd"
     ab ring_2_stages 60 "512 1024 4096 8192" "fwd bwd" TLN_X_RING_STAGES=2
     ab ring_none 60 "512 1024 4096 8192" "fwd bwd" TLN_X_NO_PREFETCH=1
+    # The fused add's residual in the forward's ring beside x (main) or read vector by vector as it is added.
+    ab_add add_ring_main 30 "1024 4096"
+    ab_add add_ring_x_alone 30 "1024 4096" TLN_X_NO_RESIDUAL_RING=1
     # The shared-memory kernels' bulk loads (SliceRing; the forward's slices kept in registers after one read).
     ab bulk_main 45 "32768 262144" "fwd bwd"
     ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1

@@ -45,17 +45,24 @@ struct ForwardParams {
   // the dynamic shared memory the ring starts (bytes, after the weight and bias copy and the row sums' room).
   int prefetch_stages = 0;
   size_t prefetch_offset = 0;
+  bool prefetch_residual = false;  // the ring holds the residual's vectors too (else it is read as it is added)
 };
 
-// With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual to one
-// vector of x (element offset i), which keep_input then stores to residual_out.
+// With a residual add, the row is x + residual rounded to R (as torch's add rounds): adds the residual's vector r to
+// one vector of x, which keep_input then stores to residual_out.
+template <typename R, int VEC, typename acc_t>
+TLN_DEVICE void add_rounded(const acc_t (&r)[VEC], acc_t (&v)[VEC]) {
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(static_cast<R>(v[j] + r[j]));
+}
+
+// The residual's vector at element offset i added to one vector of x (add_rounded), read from global memory.
 template <int VEC, typename T, typename W, typename acc_t, typename R>
 TLN_DEVICE void add_residual(const ForwardParams<T, W, acc_t, R>& p, int64_t row, int64_t i, acc_t (&v)[VEC]) {
   if (p.residual == nullptr) return;
   acc_t r[VEC];
   load_vec<VEC>(p.residual + row * p.cols, i, r);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) v[j] = static_cast<acc_t>(static_cast<R>(v[j] + r[j]));
+  add_rounded<R>(r, v);
 }
 
 // A gate before the norm (GATED instances): one vector of the row as read (element offset i) times act(z).
@@ -359,13 +366,27 @@ TLN_DEVICE void load_tile_row(const ForwardParams<T, W, acc_t, R>& p, const RowL
   }
 }
 
-// Copies a thread's vectors of x for its row of a register kernel's tile into `stage` of its prefetch ring (none
-// beyond the rows: the group stays empty).
+// The register forward's prefetch ring (ThreadRing): each thread's vectors of x and, with a residual add where the
+// launcher has room for them (p.prefetch_residual), of the residual (its stages after x's), for the tiles ahead.
+template <typename T, typename R, int VEC, int ITEMS>
+struct RowPrefetch {
+  ThreadRing<T, VEC, ITEMS> x;
+  ThreadRing<R, VEC, ITEMS> residual;
+
+  TLN_DEVICE RowPrefetch(unsigned char* base, int stages, int64_t block_threads)
+      : x(base, stages, block_threads),
+        residual(base + ThreadRing<T, VEC, ITEMS>::bytes(stages, block_threads), stages, block_threads) {}
+};
+
+// Copies a thread's vectors of x (and of the residual) for its row of a register kernel's tile into `stage` of its
+// prefetch ring (none beyond the rows: the group stays empty).
 template <int VEC, int ITEMS, typename T, typename W, typename acc_t, typename R>
-TLN_DEVICE void copy_tile(const ThreadRing<T, VEC, ITEMS>& ring, const ForwardParams<T, W, acc_t, R>& p,
+TLN_DEVICE void copy_tile(const RowPrefetch<T, R, VEC, ITEMS>& ring, const ForwardParams<T, W, acc_t, R>& p,
                           const GroupWalk& walk, const RowLayout& layout, int64_t tile, int64_t batch_rows, int stage) {
   if (tile + layout.row_in_block >= batch_rows) return;
-  ring.copy(p.x + p.x_rows.offset(walk.row(tile + layout.row_in_block)), layout, p.cols / VEC, stage);
+  const int64_t row = walk.row(tile + layout.row_in_block);
+  ring.x.copy(p.x + p.x_rows.offset(row), layout, p.cols / VEC, stage);
+  if (p.prefetch_residual) ring.residual.copy(p.residual + row * p.cols, layout, p.cols / VEC, stage);
 }
 
 // Rows held in registers: ITEMS vectors of VEC elements per thread (laid out by
@@ -374,11 +395,11 @@ TLN_DEVICE void copy_tile(const ThreadRing<T, VEC, ITEMS>& ring, const ForwardPa
 // copy when p.staged_params (the launcher's choice: the copy fits the device's
 // shared memory without lowering the occupancy), from global memory otherwise.
 // With p.prefetch_stages (the launcher's choice: forward_ring_wanted, and room without fewer blocks resident), each
-// thread copies its vectors of x for the tiles ahead into its own slots of a ring in shared memory by cp.async
-// (ThreadRing) and reads this tile's back from there: 2 tiles in flight with 3 stages, during this row's reductions
-// and stores. Without a ring, where the next row as stored fits beside this one (prefetches_next_row), its loads
-// are issued as soon as this row's are converted. Otherwise the unit's loads are idle for each row's
-// reduce-and-store time.
+// thread copies its vectors of x (and of a residual) for the tiles ahead into its own slots of a ring in shared
+// memory by cp.async (RowPrefetch) and reads this tile's back from there: 2 tiles in flight with 3 stages, during
+// this row's reductions and stores. Without a ring, where the next row as stored fits beside this one
+// (prefetches_next_row), its loads are issued as soon as this row's are converted. Otherwise the unit's loads are
+// idle for each row's reduce-and-store time.
 // QUANTIZED (here and in the long-row kernels): the *_quant operators' instance (p.quant), a template argument so
 // that the plain kernels keep their registers (a runtime branch raised them by up to 24). GATED (here and in the
 // multi-pass kernel): the gated RMSNorm's instance (p.gate), whose blocks walk the rows of one group (GroupWalk).
@@ -399,11 +420,11 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
   const int64_t first_tile = walk.unit * layout.rows_per_block;
   constexpr bool kRing = ring_prefetches(VEC, sizeof(acc_t), GATED);
   const int stages = kRing ? p.prefetch_stages : 0;
-  const ThreadRing<T, VEC, ITEMS> ring(shared + p.prefetch_offset, stages, dev::block_dim_x());
+  const RowPrefetch<T, R, VEC, ITEMS> ring(shared + p.prefetch_offset, stages, dev::block_dim_x());
   const RingWalk ring_walk(ring, p, walk, layout, tile_step, batch_rows, stages);
   if constexpr (kRing) ring_walk.fill(first_tile);
-  // x as stored, converted after. (A residual is read vector by vector as it is added: float32 rows would spill
-  // holding both x and the residual as stored.)
+  // x as stored, converted after. (Without a ring a residual is read vector by vector as it is added: float32 rows
+  // would spill holding both x and the residual as stored.)
   Vec<T, VEC> raw[ITEMS];
   const bool register_prefetch = kPrefetch && stages == 0;
   if (register_prefetch) load_tile_row(p, layout, walk, first_tile, batch_rows, raw);
@@ -425,11 +446,17 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(gated_budget(kForwardBudget, GATED).max_thread
     for (int k = 0; k < ITEMS; ++k) {
       if (active && layout.vector(k) < nvec) {
         if (stages > 0) {
-          ring.load(stage, k, v[k]);
+          ring.x.load(stage, k, v[k]);
         } else {
           to_acc(raw[k], v[k]);
         }
-        add_residual(p, row, layout.vector(k) * VEC, v[k]);
+        if (kRing && p.prefetch_residual) {
+          acc_t r[VEC];
+          ring.residual.load(stage, k, r);
+          add_rounded<R>(r, v[k]);
+        } else {
+          add_residual(p, row, layout.vector(k) * VEC, v[k]);
+        }
         gate_input<GATED>(p, row, layout.vector(k) * VEC, v[k]);
         keep_input(p, row, layout.vector(k) * VEC, v[k]);
         sum += vector_sum(v[k]);

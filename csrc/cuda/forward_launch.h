@@ -121,18 +121,26 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
         p.staged_params = dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits) == blocks_per_sm;
         if (p.staged_params) smem += staged;
       }
-      // The prefetch ring after that (ThreadRing: per stage, each thread's vectors of x), where it is wanted and the
-      // device has room for it without fewer blocks resident.
-      if (ring_prefetches(plan.vec, sizeof(acc_t), gated) &&
-          forward_ring_wanted(plan.items * plan.vec * sizeof(T), plan.threads_per_row)) {
-        const size_t stage_bytes = static_cast<size_t>(threads) * plan.items * plan.vec * sizeof(T);
-        const RingPlacement ring = place_ring(smem, stage_bytes, limits, [&](size_t total) {
-          dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
-          return dev::resident_blocks_per_sm(kernel, threads, total, limits) == blocks_per_sm;
-        });
+      // The prefetch ring after that (RowPrefetch: per stage, each thread's vectors of x, and of the residual), where
+      // it is wanted and the device has room for it without fewer blocks resident; with a residual add, of x's
+      // vectors alone where there is no room for both and a ring of x is wanted.
+      const size_t stage_elems = static_cast<size_t>(threads) * plan.items * plan.vec;  // of each stream
+      for (const bool with_residual : {true, false}) {
+        if ((with_residual && p.residual == nullptr) || !ring_prefetches(plan.vec, sizeof(acc_t), gated) ||
+            !forward_ring_wanted(plan.items * plan.vec * sizeof(T), plan.threads_per_row, with_residual)) {
+          continue;
+        }
+        const RingPlacement ring =
+            place_ring(smem, stage_elems * (sizeof(T) + (with_residual ? sizeof(R) : 0)), limits, [&](size_t total) {
+              dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
+              return dev::resident_blocks_per_sm(kernel, threads, total, limits) == blocks_per_sm;
+            });
+        if (ring.stages == 0) continue;
         p.prefetch_stages = ring.stages;
         p.prefetch_offset = ring.offset;
+        p.prefetch_residual = with_residual;
         smem = ring.total;
+        break;
       }
       limit_to_one_wave(plan, limits, blocks_per_sm);
     }

@@ -62,14 +62,16 @@ constexpr RegisterBudget gated_budget(RegisterBudget budget, bool gated) {
 constexpr int kPrefetchBytes = 64;
 constexpr bool prefetches_next_row(size_t row_bytes_per_thread) { return row_bytes_per_thread <= kPrefetchBytes; }
 
-// Whether the forward register kernel takes a prefetch ring (ThreadRing) where its instance has one and the device
-// room: where the register prefetch cannot serve (over kPrefetchBytes a thread), and for rows of a warp or less,
-// whose reductions need no block barrier, so that a row's work is short beside the DRAM latency one row in flight
-// leaves exposed. Not for block rows the register prefetch serves: there the kernel model has the ring's
-// shared-memory reads cost more than a second row in flight gains (2026-12-06-kernel-model-prefetch-forward:
-// bfloat16 D=512 84 -> 99.6 % of copy with the ring, D=4096 96 -> 87).
-constexpr bool forward_ring_wanted(size_t row_bytes_per_thread, int threads_per_row) {
-  return !prefetches_next_row(row_bytes_per_thread) || threads_per_row <= 32;
+// Whether the forward register kernel takes a prefetch ring (RowPrefetch) where its instance has one and the device
+// room: where the register prefetch cannot serve (over kPrefetchBytes a thread), for rows of a warp or less, whose
+// reductions need no block barrier, so that a row's work is short beside the DRAM latency one row in flight leaves
+// exposed, and for rows with a residual add, whose residual the register prefetch does not hold (read vector by
+// vector as it is added, each load used before the next) and the ring copies beside x. Not for other block rows the
+// register prefetch serves: there the kernel model has the ring's shared-memory reads cost more than a second row in
+// flight gains (2026-12-06-kernel-model-prefetch-forward: bfloat16 D=512 84 -> 99.6 % of copy with the ring, D=4096
+// 96 -> 87).
+constexpr bool forward_ring_wanted(size_t row_bytes_per_thread, int threads_per_row, bool residual) {
+  return !prefetches_next_row(row_bytes_per_thread) || threads_per_row <= 32 || residual;
 }
 
 // A budget for accumulators of `acc_bytes`: 8-byte (float64) values take two registers each.

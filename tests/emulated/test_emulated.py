@@ -1113,24 +1113,78 @@ def test_forward_prefetch_walks_tiles(kind, affine, quantized, dtype, cols):
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-@pytest.mark.parametrize("dtype,cols", [(torch.bfloat16, 512), (torch.float32, 4096)])
-def test_forward_prefetch_residual_stream(kind, dtype, cols):
-    # The fused add's forward prefetches x (its residual, read vector by vector as it is added, does not go through
-    # the ring; float32 beside bfloat16), bitwise as without the ring: y and residual_out.
+@pytest.mark.parametrize(
+    "dtype,cols,residual_dtype",
+    [
+        (torch.bfloat16, 512, torch.float32),  # warp rows; a float32 residual stream: 32-byte vectors, two pieces
+        (torch.float32, 4096, torch.float32),  # block rows of 128 bytes a thread
+        (torch.bfloat16, 4096, torch.bfloat16),  # block rows the register prefetch serves: the ring for the residual
+    ],
+)
+def test_forward_prefetch_residual_stream(kind, dtype, cols, residual_dtype):
+    # Regression guard for the fused add's forward prefetch: its ring copies the residual beside x (RowPrefetch) and
+    # reads both back, with 3 stages (the sm_90 default), 2 (a byte short of 3) and none (too short for 2 of x alone:
+    # the residual then read vector by vector as it is added), every output bitwise the same: y and residual_out; each
+    # row bitwise as the row alone; residual_out as torch adds.
     vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
     threads = threads_per_row * rows_per_block
     rows = 3 * rows_per_block + 3
     x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
-    residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)).to(torch.float32)
+    residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)).to(residual_dtype)
+
+    def add_forward(inputs=x, residuals=residual):
+        return _forward_kernel(kind, inputs, weight, bias, residuals, residual_dtype)
+
+    x_stage = threads * items * vec * dtype.itemsize
+    stage = threads * items * vec * (dtype.itemsize + residual_dtype.itemsize)  # both streams
+    params = 2 if kind == "layer" else 1  # the weight and bias copy
+    rest = params * cols * dtype.itemsize + _row_sums_bytes(threads_per_row, threads)
+    with _device(sms=1):
+        ops.set_device(1, threads, None, 1)
+        prefetched, launch = add_forward()
+        ring_at = launch["dynamic_smem"] - 3 * stage
+        assert 0 <= ring_at - rest < 16
+        for budget, ring in ((ring_at + 3 * stage - 1, 2 * stage), (ring_at + 2 * x_stage - 1, 0)):
+            ops.set_device(1, threads, budget, 1)
+            outputs, launch = add_forward()
+            assert launch["dynamic_smem"] == (ring_at + ring if ring else rest)
+            for p, u in zip(prefetched, outputs):
+                assert torch.equal(p, u)
+        ops.set_device(1, threads, None, 1)
+        for r in (0, rows_per_block, rows - 1):
+            alone, _ = add_forward(x[r : r + 1].clone(), residual[r : r + 1].clone())
+            for p, a in zip(prefetched, alone):
+                assert torch.equal(p[r : r + 1], a[:1]), f"row {r}"
+    assert torch.equal(prefetched[1], (x.to(residual_dtype) + residual).to(residual_dtype))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_prefetch_residual_falls_back_to_x(kind):
+    # Where a block's shared memory holds no ring of both streams but one of x's vectors (float32 D=4096: 3 stages of
+    # x take 3/4 of 2 of both), the fused add's ring holds x alone and its residual is read as it is added: every
+    # output bitwise as with the ring of both.
+    dtype, cols = torch.float32, 4096
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
+    threads = threads_per_row * rows_per_block
+    rows = 3 * rows_per_block + 3
+    x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (True, kind == "layer"))
+    residual = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)).to(dtype)
+    stage = threads * items * vec * dtype.itemsize  # a stage of x's vectors (the residual's as many)
 
     def add_forward():
-        return _forward_kernel(kind, x, weight, bias, residual, torch.float32)
+        return _forward_kernel(kind, x, weight, bias, residual, dtype)
 
-    by_stages = _by_prefetch_stages(add_forward, "norm_forward_kernel", threads, threads * items * vec * dtype.itemsize)
-    assert set(by_stages) == {0, 2, 3}
-    for outputs in by_stages.values():
-        for p, u in zip(by_stages[3], outputs):
-            assert torch.equal(p, u)
+    with _device(sms=1):
+        ops.set_device(1, threads, None, 1)
+        both, launch = add_forward()
+        rest = (2 if kind == "layer" else 1) * cols * dtype.itemsize + _row_sums_bytes(threads_per_row, threads)
+        assert 0 <= launch["dynamic_smem"] - 3 * 2 * stage - rest < 16  # 3 stages of both streams
+        ring_at = launch["dynamic_smem"] - 3 * 2 * stage
+        ops.set_device(1, threads, ring_at + 2 * 2 * stage - 1, 1)  # one byte short of 2 stages of both
+        x_alone, launch = add_forward()
+    assert launch["dynamic_smem"] == ring_at + 3 * stage
+    for b, a in zip(both, x_alone):
+        assert torch.equal(b, a)
 
 
 def _row_sums_bytes(threads_per_row, threads):
@@ -1146,18 +1200,21 @@ def _row_sums_bytes(threads_per_row, threads):
         (torch.float32, 4096, True),  # block rows of 128 bytes a thread: no register prefetch
     ],
 )
-def test_forward_ring_where_wanted(dtype, cols, ring):
+@pytest.mark.parametrize("residual", [False, True])
+def test_forward_ring_where_wanted(dtype, cols, ring, residual):
     # forward_ring_wanted, on the default (sm_90) device: the launch's shared memory beyond the weight and bias copy
-    # and the row sums' room (two floats a warp) is a ring of 3 stages or nothing.
+    # and the row sums' room (two floats a warp) is a ring of 3 stages or nothing; with a residual add (in x's dtype)
+    # always a ring, of both streams.
     vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
     threads = threads_per_row * rows_per_block
     x, weight, bias, _ = _inputs(2 * rows_per_block, cols, dtype, dtype, (True, True))
     with _device():
-        _, launch = _forward_kernel("layer", x, weight, bias)
+        _, launch = _forward_kernel("layer", x, weight, bias, *((x.flip(0), dtype) if residual else ()))
     assert "norm_forward_kernel" in launch["kernel"]
     rest = 2 * cols * dtype.itemsize + _row_sums_bytes(threads_per_row, threads)
     ring_bytes = launch["dynamic_smem"] - rest
-    assert 0 <= ring_bytes - (3 * threads * items * vec * dtype.itemsize if ring else 0) < 16
+    streams = 2 if residual else 1 if ring else 0
+    assert 0 <= ring_bytes - 3 * streams * threads * items * vec * dtype.itemsize < 16
 
 
 # The forward register kernel's occupancy rules (forward_launch.h): the weight and bias copy, then the prefetch ring of
