@@ -670,11 +670,10 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   // own from layout.grads.
   constexpr bool kHeld = HELD > 0;
   constexpr bool kOverRow = kHeld && held_sums_over_row(HELD, sizeof(acc_t), sizeof(R), sizeof(T));
-  const int held_requested = int{dweight && HELD >= 1} + int{dbias && HELD >= 2};
   const size_t row_bytes = p.row_on_chip ? sizeof(R) : 0, dy_bytes = p.row_on_chip ? sizeof(T) : 0;
-  const SharedRowLayout layout(p.slice_vectors * VEC, p.cluster_blocks, row_bytes, int{p.staged_weight}, sizeof(W),
-                               sizeof(acc_t), dy_bytes,
-                               own_sum_rows(int{dweight} + int{dbias}, held_requested, kOverRow), p.bulk_stages);
+  const SharedRowLayout layout(
+      p.slice_vectors * VEC, p.cluster_blocks, row_bytes, int{p.staged_weight}, sizeof(W), sizeof(acc_t), dy_bytes,
+      own_sum_rows(int{dweight} + int{dbias}, held_requested(HELD, dweight, dbias), kOverRow), p.bulk_stages);
   auto vectors = [&](auto elem, size_t offset) {
     using E = decltype(elem);
     return SharedVectors<E, VEC>{reinterpret_cast<typename SharedVectors<E, VEC>::Piece*>(shared + offset),
@@ -897,7 +896,7 @@ struct BackwardKernels {
     if constexpr (GATED) {
       return nullptr;
     } else {
-      constexpr bool kHeldable = sizeof(R) == sizeof(T) && VEC * sizeof(T) == kVectorBytes && sizeof(acc_t) == 4;
+      constexpr bool kHeldable = holds_sums_for(VEC, sizeof(R), sizeof(T), sizeof(acc_t));
       if constexpr (kHeldable && held_gradients(1, K == NormKind::LayerNorm, sizeof(T)) == 2) {
         if (plan.held == 2) return &norm_backward_shared_kernel<T, W, acc_t, R, K, VEC, 2>;
       }

@@ -190,6 +190,16 @@ constexpr int held_gradients(int64_t rounds, bool layer_norm, size_t elem_bytes)
   if (rounds <= kHeldSumVectors / 2) return 2;
   return rounds <= kHeldSumVectors && elem_bytes == 4 ? 1 : 0;
 }
+// Whether rows of x (`row_elem_bytes`) and dy (`dy_elem_bytes`) in vectors of `vec` elements, with sums of
+// `acc_bytes`, have held-sums instances (they load their slices by bulk copies only: x and dy of one size, 16-byte
+// vectors; float32 sums).
+constexpr bool holds_sums_for(int vec, size_t row_elem_bytes, size_t dy_elem_bytes, size_t acc_bytes) {
+  return row_elem_bytes == dy_elem_bytes && vec * dy_elem_bytes == kVectorBytes && acc_bytes == 4;
+}
+// Of the gradients whose sums a held-sums instance holds (`held`: held_gradients), the requested ones.
+constexpr int held_requested(int held, bool weight_grad, bool bias_grad) {
+  return held >= 2 ? int{weight_grad} + int{bias_grad} : held == 1 ? int{weight_grad} : 0;
+}
 // Where a held-sums instance holding `held` gradients' sums stores them after its walk: over its slices of x and dy
 // (the walk done) where they have the room, in rooms of their own beside the other sums otherwise (16-bit LayerNorm
 // holding both).
@@ -219,23 +229,22 @@ struct SharedRowSpace {
   // whether the weight's gradient is requested.
   bool held_sums = false, layer_norm = false, weight_grad = false;
 
-  // Of the gradients whose sums a held-sums instance holds (`held`: held_gradients), the requested ones.
-  int held_requested(int held) const { return held >= 2 ? grad_rows : held == 1 ? int{weight_grad} : 0; }
   // The gradients whose sums the held-sums instance holds for slices of `slice_vectors` vectors of `vec` elements
   // (held_gradients; with the row on chip, bulk-loaded), where it holds a requested one; 0: no held-sums instance.
   int held(int64_t slice_vectors, int vec, bool with_row = true) const {
-    const bool holds = held_sums && with_row && bulk_stages > 0 && acc_bytes == 4 && row_elem_bytes == dy_elem_bytes &&
-                       vec * dy_elem_bytes == kVectorBytes;
+    const bool holds =
+        held_sums && with_row && bulk_stages > 0 && holds_sums_for(vec, row_elem_bytes, dy_elem_bytes, acc_bytes);
     const int h = holds ? held_gradients(ceil_div(slice_vectors, kSharedRowThreads), layer_norm, dy_elem_bytes) : 0;
-    return held_requested(h) > 0 ? h : 0;
+    return held_requested(h, weight_grad, bias_grad()) > 0 ? h : 0;
   }
+  bool bias_grad() const { return grad_rows > int{weight_grad}; }  // (the other requested gradient)
   // `with_row`: the slice of the row on chip (the backward may read it twice instead, keeping only its sums).
   SharedRowLayout layout(int64_t slice_vectors, int cluster_blocks, int vec, bool with_params,
                          bool with_row = true) const {
     const size_t row_bytes = with_row ? row_elem_bytes : 0, dy_bytes = with_row ? dy_elem_bytes : 0;
     const int h = held(slice_vectors, vec, with_row);
-    const int own_rows =
-        own_sum_rows(grad_rows, held_requested(h), h > 0 && held_sums_over_row(h, acc_bytes, row_bytes, dy_bytes));
+    const int own_rows = own_sum_rows(grad_rows, held_requested(h, weight_grad, bias_grad()),
+                                      h > 0 && held_sums_over_row(h, acc_bytes, row_bytes, dy_bytes));
     return {slice_vectors * vec, cluster_blocks, row_bytes, with_params ? param_rows : 0,
             param_elem_bytes,    acc_bytes,      dy_bytes,  own_rows,
             bulk_stages};
