@@ -585,13 +585,15 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             grads = parameter_count(op) - held_sums(op, mode, plan, fused)
             acc = _pieces(vec, 4)
             on_chip = plan["path"] == "shared"
+            # The weight read in both passes from the block's copy, or from the held-sums instance's weight ring.
+            weight_on_chip = plan["slice_params"] or plan.get("weight_stages", 0) > 0
             vector = slots * (
                 (4 * _pieces(vec, elem) if on_chip else 0)
-                + (2 * _pieces(vec, elem) if plan["slice_params"] else 0)
+                + (2 * _pieces(vec, elem) if weight_on_chip else 0)
                 + grads * 2 * acc
             )
             vector_bytes = (
-                count * vec * ((4 * elem if on_chip else 0) + (2 * elem if plan["slice_params"] else 0) + grads * 2 * 4)
+                count * vec * ((4 * elem if on_chip else 0) + (2 * elem if weight_on_chip else 0) + grads * 2 * 4)
             )
             out["bursts"] = 1 if bulk else -(-per_thread // BACKWARD_SHARED_UNROLL)
             out["burst_streams"] = 2
@@ -599,12 +601,10 @@ def structure(op: str, mode: str, plan: dict, D: int, elem: int, fused: bool) ->
             # and dy a thread at a time where a vector as accumulated is at most 16 bytes (backward_reread_unroll),
             # one at a time for 16-bit rows, with the gradient of residual_out beside each vector; that gradient
             # alone (from DRAM) where the row is on chip; the weight from global memory in both passes where it is
-            # not on chip.
+            # not on chip (the weight ring's copies, issued stages - 1 uses ahead, are not waited on one by one).
             acc_bytes = 8 if elem == 8 else 4
             reread = BACKWARD_SHARED_UNROLL if vec * acc_bytes <= REREAD_VECTOR_BYTES else 1
-            out["lone_l2"] = (0 if on_chip else -(-per_thread // reread)) + (
-                0 if plan["slice_params"] else 2 * per_thread
-            )
+            out["lone_l2"] = (0 if on_chip else -(-per_thread // reread)) + (0 if weight_on_chip else 2 * per_thread)
             out["lone_dram"] = per_thread if fused and on_chip else 0
         out["barriers"] += c * calls * 2.0
         out["cluster_exchanges"] = calls if c > 1 else 0.0  # per block: each waits for every reduction's exchange
@@ -740,7 +740,20 @@ def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: i
         planned = o.plan(mode, M, D, elem, True, blocks_per_sm, parameter_count(op))
     finally:
         o.set_device(2, 2048)
-    vec, items, tpr, rpb, blocks, cluster, shared_smem, slice_params, row_on_chip, partial_cluster, held = planned
+    (
+        vec,
+        items,
+        tpr,
+        rpb,
+        blocks,
+        cluster,
+        shared_smem,
+        slice_params,
+        row_on_chip,
+        partial_cluster,
+        held,
+        weight_stages,
+    ) = planned
     return {
         "vec": vec,
         "items": items,
@@ -756,6 +769,9 @@ def plan_on_h200(op: str, mode: str, D: int, M: int, elem: int, blocks_per_sm: i
         "slice_params": bool(slice_params),
         "slice_vectors": -(-math.ceil(D / vec) // cluster) if cluster > 0 else 0,  # plan_rows: ceil(nvec / cluster)
         "held": held,  # the backward's held-sums instance: the gradients whose sums it holds (SharedRowSpace::held)
+        # that instance's weight ring (WeightRing: copied ahead by cp.async where its slices leave no room for the
+        # weight; 0: none), counted in shared_smem
+        "weight_stages": weight_stages,
         "residual": fused,
     }
 

@@ -28,8 +28,8 @@
 #   device run: bash scripts/gpu_check.sh bench                     (timeout_s ~ 500)
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
 # Phase `ab` (named only, after bench; carry gpu_build_experiment too): torch_ln's forward and backward under each A/B
-# switch of scripts/experiment_overrides.diff (the prefetch rings' stages, the bulk loads, the forward's rows a block,
-# its weight copy), ~6 min at most.
+# switch of scripts/experiment_overrides.diff (the prefetch rings' stages, the bulk loads, the held sums and the
+# backward's weight ring, the forward's rows a block, its weight copy), ~6 min at most.
 # The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
 # scripts/experiment_overrides.diff (its own diff no longer applies to these kernels; tests/test_gpu_scripts.py checks
 # that this one does): make it here as well,
@@ -185,7 +185,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-fused-ring/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-weight-ring/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
@@ -230,6 +230,9 @@ if wants ab; then
     ab bulk_none 45 "32768 262144" "fwd bwd" TLN_X_NO_BULK=1
     # The shared-memory backward's gradient sums in registers (main, bulk_main above) or in shared memory.
     ab held_none 30 "32768 262144" "bwd" TLN_X_NO_HELD=1
+    # The weight of the held-sums instance holding LayerNorm's weight sums alone: through its ring (main, bulk_main
+    # above; float32 D=262144) or read from global memory as used (bfloat16 takes neither: a control).
+    ab weight_ring_none 20 "262144" "bwd" TLN_X_NO_WEIGHT_RING=1
     # The forward's register rows in blocks of 512 threads (one weight copy an SM, a ring beside it; the kernel model's
     # LayerNorm float32 D=4096 76.7 -> 99.6 %), and the ring without the copy (main: ring_main above).
     ab rows_512 40 "512 4096 8192" "fwd" TLN_X_ROWS_BLOCK_THREADS=512

@@ -55,8 +55,9 @@ struct BackwardParams {
   bool row_on_chip = false;
   bool staged_weight = false;
   int bulk_stages = 0;  // the shared-memory kernel: its slices of x and dy loaded by bulk copies in this many chunks
-  // The register kernel's prefetch of its next tiles (TilePrefetch): its ring's stages (0: none; 2 or 3), and where
-  // in the dynamic shared memory the ring starts (bytes, after the row reductions' and partial rows' room).
+  // The register kernel's prefetch of its next tiles (TilePrefetch), or the shared-memory kernel's of its weight
+  // (WeightRing): its ring's stages (0: none; 2 or 3), and where in the dynamic shared memory the ring starts (bytes,
+  // after the row reductions' and partial rows' room, or after the slices' layout).
   int prefetch_stages = 0;
   size_t prefetch_offset = 0;
   // The blocks of a thread-block cluster (sm_90) whose partial rows are added on chip into one: the register
@@ -593,6 +594,50 @@ TLN_DEVICE void slice_weight(const BackwardParams<T, W, acc_t, R>& p, const Shar
   }
 }
 
+// The held-sums instance's weight where its block keeps no copy of its slice (weight_ring_instance; the launcher's
+// p.prefetch_stages): a ThreadRing of `stages` of the thread's weight vectors, each copied by cp.async stages - 1
+// uses ahead, from L2 (the same slice every row), in the order the thread uses them in both passes of every row: its
+// vectors of the slice, c = thread + round * threads < count, round after round. Read as used instead, each use
+// waited on an L2 round trip (16 a thread a row at float32 D=262144).
+template <typename W, int VEC>
+struct WeightRing {
+  ThreadRing<W, VEC, 1> ring;
+  const W* slice;  // the block's slice of the weight in global memory
+  int stages;
+  int rounds;     // the thread's vectors of the slice: at least 4 (its instance's slices are of 5-8 rounds)
+  int ahead = 0;  // the round of the next copy
+  int stage = 0;  // the stage of the next use
+
+  TLN_DEVICE WeightRing(unsigned char* base, int ring_stages, const W* weight_slice, int64_t count, int threads)
+      : ring(base, ring_stages, threads),
+        slice(weight_slice),
+        stages(ring_stages),
+        rounds(static_cast<int>(ceil_div(count - dev::thread_x(), threads))) {}
+
+  // Before the first use: the copies of the first stages - 1 uses, a group each.
+  TLN_DEVICE void fill() {
+    for (int s = 0; s + 1 < stages; ++s) {
+      copy(s);
+      dev::copy_async_commit();
+    }
+  }
+
+  // The next use's weight: the copy stages - 1 uses ahead into the stage the last use read, then this use's wait.
+  template <typename acc_t>
+  TLN_DEVICE void next(acc_t (&w)[VEC]) {
+    copy(stage == 0 ? stages - 1 : stage - 1);
+    ring_turn(stages);
+    ring.load(stage, 0, w);
+    stage = next_stage(stage, stages);
+  }
+
+ private:
+  TLN_DEVICE void copy(int to) {
+    ring.vectors.copy_async(ring.slot(to, 0), slice + (ring.thread + int64_t{ahead} * ring.threads) * VEC);
+    ahead = ahead + 1 == rounds ? 0 : ahead + 1;
+  }
+};
+
 // x and dy of one vector of a row as loaded, converted to acc_t.
 template <int VEC, typename T, typename R, typename acc_t>
 TLN_DEVICE void row_vector(const Vec<R, VEC>& x_raw, const Vec<T, VEC>& dy_raw, acc_t (&x)[VEC], acc_t (&dy)[VEC]) {
@@ -720,6 +765,21 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   if (bulk && producer) ring.init(threads);
   ClusterReduce2<acc_t> cluster_sum2(shared + layout.exchange, cluster);
   if (bulk) dev::sync_threads();  // the ring's mbarriers, before anyone waits on them
+  // The weight through a ring where the launcher gave one (this instance's slices are too long for its copy).
+  constexpr bool kWeightRing = weight_ring_instance(HELD, KIND == NormKind::LayerNorm, VEC * sizeof(W));
+  const bool weight_ringed = kWeightRing && p.prefetch_stages > 0;
+  WeightRing<W, VEC> weight_ring(shared + p.prefetch_offset, p.prefetch_stages,
+                                 weight_ringed ? p.weight + first * VEC : nullptr, count, threads);
+  if constexpr (kWeightRing) {
+    if (weight_ringed) weight_ring.fill();
+  }
+  // The weight of vector c of the slice, which each thread takes in the ring's order.
+  const auto weight_of = [&](int64_t c, acc_t(&w)[VEC]) {
+    if constexpr (kWeightRing) {
+      if (weight_ringed) return weight_ring.next(w);
+    }
+    slice_weight(p, weight_slice, first, c, w);
+  };
   const acc_t inv_cols = acc_t(1) / static_cast<acc_t>(p.cols);
   // A cluster's groups walk the same leads, group g row lead + g, each reducing its row sums within the group: a
   // group past the last row takes its reductions with nothing to add.
@@ -739,7 +799,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
     // to the sums by add_grads (add_gradient_terms).
     const auto add_terms = [&](int64_t c, acc_t(&xhat)[VEC], const acc_t(&dy)[VEC], const auto& add_grads) {
       acc_t w[VEC];
-      slice_weight(p, weight_slice, first, c, w);
+      weight_of(c, w);
       to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);
       add_row_terms<T>(p, xhat, dy, w, sum_g, sum_g_xhat);
       add_gradient_terms(p, dweight, dbias, xhat, dy, add_grads);
@@ -828,7 +888,7 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
             row_vector(x_raw[k], dy_raw[k], xhat, dy);
           }
           to_xhat_at(p, (first + c) * VEC, mean, rstd, xhat);  // as the first pass computed it
-          slice_weight(p, weight_slice, first, c, w);
+          weight_of(c, w);
           store_dx<KIND>(p, row, (first + c) * VEC, xhat, dy, w, rstd, sum_g * inv_cols, sum_g_xhat * inv_cols);
         }
       }
@@ -840,6 +900,9 @@ TLN_KERNEL void TLN_LAUNCH_BOUNDS(kSharedRowThreads) norm_backward_shared_kernel
   // (Over the row, no barrier first: a thread's sums of vector c take the 16-byte pieces of its own vector c of x and
   // of dy, SharedVectors' piece h at h * count + c, which only it reads.)
   if constexpr (kHeld) held.store({dweight_sums, dbias_sums}, {dweight, dbias}, count);
+  if constexpr (kWeightRing) {
+    if (weight_ringed) dev::copy_async_wait<0>();  // the ring's copies ahead, not to be used
+  }
   dev::allow_dependent_launch();  // the reduce's launch overlaps the partial rows' stores
   // The groups' gradient sums added in group order into the cluster's one partial row (slot: the cluster's index),
   // each block of a group its share of its slice of it.

@@ -104,7 +104,10 @@ void launch_backward_typed(NormKind kind, const BackwardArgs& a, const DeviceLim
     const int cluster = std::max(1, plan.cluster_blocks) * p.partial_cluster;
     size_t smem = 0;
     if (plan.shared_row()) {  // a cluster per row, as many as the device holds at once
-      smem = space.layout(plan.slice_vectors, plan.cluster_blocks, plan.vec, plan.slice_params, plan.row_on_chip).total;
+      const RingPlacement shared = backward_shared_smem(plan, space, limits);
+      p.prefetch_stages = shared.stages;
+      p.prefetch_offset = shared.offset;
+      smem = shared.total;
     } else {  // row reductions, then the partial rows of a block's rows (and of a cluster's blocks) added on chip
       smem =
           std::max(plan.smem_bytes<acc_t>(),

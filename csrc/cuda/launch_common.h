@@ -138,6 +138,20 @@ RingPlacement place_ring(size_t smem, size_t stage_bytes, const DeviceLimits& li
   return {0, 0, smem};
 }
 
+// The shared-memory backward's dynamic shared memory (`total`): its slices' layout, then the held-sums instance's
+// weight ring (WeightRing: `stages` of a vector a thread, from `offset`; 0 stages: none) where it takes one, of 3
+// stages, else 2, where the block has the room (its one block an SM keeps any occupancy).
+inline RingPlacement backward_shared_smem(const RowPlan& plan, const SharedRowSpace& space,
+                                          const DeviceLimits& limits) {
+  const size_t layout =
+      space.layout(plan.slice_vectors, plan.cluster_blocks, plan.vec, plan.slice_params, plan.row_on_chip).total;
+  const size_t weight_vector = plan.vec * space.param_elem_bytes;
+  if (space.param_rows == 0 || plan.slice_params || !weight_ring_instance(plan.held, space.layer_norm, weight_vector)) {
+    return {0, 0, layout};
+  }
+  return place_ring(layout, kSharedRowThreads * weight_vector, limits, [](size_t) { return true; });
+}
+
 inline dev::Dim3 grid_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.blocks)}; }
 inline dev::Dim3 block_of(const RowPlan& plan) { return {static_cast<unsigned>(plan.block_threads())}; }
 

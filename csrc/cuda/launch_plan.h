@@ -200,6 +200,14 @@ constexpr bool holds_sums_for(int vec, size_t row_elem_bytes, size_t dy_elem_byt
 constexpr int held_requested(int held, bool weight_grad, bool bias_grad) {
   return held >= 2 ? int{weight_grad} + int{bias_grad} : held == 1 ? int{weight_grad} : 0;
 }
+// Whether a held-sums instance holding `held` gradients' sums takes a weight ring (WeightRing, backward.cuh) where
+// its block keeps no copy of its slice of the weight: LayerNorm's holding the weight's sums alone (float32 rows of
+// 5-8 rounds, the held slices too long for the weight beside them: float32 D=262144 over 16 blocks), for weight
+// vectors of whole 16-byte pieces (cp.async). Not the others: RMSNorm's and LayerNorm's holding both keep the weight
+// on chip wherever the H200 runs them, and the float32 RMSNorm instance sits at its 128 registers.
+constexpr bool weight_ring_instance(int held, bool layer_norm, size_t weight_vector_bytes) {
+  return held == 1 && layer_norm && weight_vector_bytes % kVectorBytes == 0;
+}
 // Where a held-sums instance holding `held` gradients' sums stores them after its walk: over its slices of x and dy
 // (the walk done) where they have the room, in rooms of their own beside the other sums otherwise (16-bit LayerNorm
 // holding both).

@@ -7,6 +7,7 @@
 
 #include "../cuda/backward.cuh"
 #include "../cuda/forward.cuh"
+#include "../cuda/launch_common.h"
 #include "../norm_ops.h"
 #include "emulated_kernels.h"
 
@@ -63,7 +64,8 @@ void set_device(int64_t num_sms, int64_t max_threads_per_sm, std::optional<int64
 // weight and bias where 2, an RMSNorm's weight where 1): vec, items,
 // threads_per_row, rows_per_block, blocks, cluster_blocks (the shared-memory path; 0 elsewhere), that path's shared
 // memory per block, whether it keeps the parameters there and whether it keeps the row there, the backward's
-// partial_cluster_blocks and the gradients its held-sums instance holds (RowPlan::held). The register and
+// partial_cluster_blocks, the gradients its held-sums instance holds (RowPlan::held) and the stages of that
+// instance's weight ring (backward_shared_smem, counted in that shared memory; 0: none). The register and
 // shared-memory kernels' grid is one wave at `blocks_per_sm` (the kernel's occupancy; 0: by the device's threads per
 // SM alone, as the emulated launch counts it where set_device's shared_per_sm is not set); and the backward's
 // partial_cluster_blocks.
@@ -93,9 +95,13 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
   int64_t smem = 0;
   const int partial_cluster = fwd ? 1 : partial_cluster_blocks(p, d, param_rows > 0, acc_bytes);
   const int cluster = std::max(1, p.cluster_blocks) * partial_cluster;
-  if (p.shared_row()) {
-    smem = static_cast<int64_t>(
-        shared.layout(p.slice_vectors, p.cluster_blocks, p.vec, p.slice_params, p.row_on_chip).total);
+  int weight_stages = 0;
+  if (p.shared_row() && fwd) {
+    smem = static_cast<int64_t>(shared.layout(p.slice_vectors, p.cluster_blocks, p.vec, p.slice_params).total);
+  } else if (p.shared_row()) {
+    const RingPlacement backward = backward_shared_smem(p, shared, d);
+    smem = static_cast<int64_t>(backward.total);
+    weight_stages = backward.stages;
   }
   if (p.shared_row() || partial_cluster > 1) {
     limit_to_resident_clusters(p, ceil_div(p.blocks, partial_cluster), int64_t{d.num_sms} * per_sm / cluster, cluster);
@@ -103,7 +109,7 @@ std::vector<int64_t> plan(std::string direction, int64_t rows, int64_t cols, int
     limit_to_one_wave(p, d, per_sm);
   }
   return {p.vec, p.items,        p.threads_per_row, p.rows_per_block, p.blocks, p.cluster_blocks,
-          smem,  p.slice_params, p.row_on_chip,     partial_cluster,  p.held};
+          smem,  p.slice_params, p.row_on_chip,     partial_cluster,  p.held,   weight_stages};
 }
 
 void set_counting(bool on) { emu::set_counting(on); }

@@ -927,7 +927,7 @@ def test_backward_bulk_ring_walks_rows(kind, mask, dtype, cols, affine, shared, 
 
     with _device(shared=shared):
         ops.set_device(1, 1024, shared, 2)  # two blocks resident: they walk every row
-        *_, cluster, _, _, on_chip, _, planned_held = ops.plan(
+        *_, cluster, _, _, on_chip, _, planned_held, _ = ops.plan(
             "bwd", rows, cols, dtype.itemsize, True, 0, (2 if kind == "layer" else 1) if affine else 0
         )
         assert on_chip, "the row on chip (with every gradient's sums): the bulk loads' slices"
@@ -970,6 +970,41 @@ def test_backward_held_sums_every_parameter_dtype(kind, dtype, param_dtype):
         _, launch = _backward_launch_of(lambda: _emulated(kind, x, weight, bias, dy, 1e-5))
         assert _held(launch["kernel"]) == (2 if kind == "layer" else 1)
         _check_against_torch(kind, x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, True)])
+# 20480: 2560 vectors a block, 5 rounds for every thread; 20000: 2500, 5 rounds for threads 0-451 and 4 for the rest
+# (each thread's ring wraps at its own count).
+@pytest.mark.parametrize("cols", [20480, 20000])
+def test_backward_weight_ring(mask, cols):
+    # The held-sums instance holding LayerNorm's weight sums alone, where its block has no room for its slice of the
+    # weight (a cluster of 2 blocks of 4-5 rounds of 512 threads; on the H200, float32 D=262144 over 16), takes the
+    # weight through a ring of 3 stages, 2, or none (read from global memory as used) by the room the block has left:
+    # dx and the gradients bitwise the same each way, each row as the row alone, and within tolerance of torch. The
+    # mask without dx: no second pass, so the ring turns once a row.
+    rows = 11
+    x, weight, bias, dy = _inputs(rows, cols, torch.float32, torch.float32, (True, True))
+
+    def backward(rows_x, rows_dy):
+        (out, _), launch = _backward_launch_of(lambda: _emulated("layer", rows_x, weight, bias, rows_dy, 1e-5, mask))
+        return out[1:], launch
+
+    by_stages = {}
+    for stages, shared in ((3, 150 * 1024), (2, 140 * 1024), (0, 130 * 1024)):
+        with _device(shared=shared, cluster=2, sms=1, threads=1024):  # one cluster resident: it walks every row
+            *_, cluster, smem, sliced, on_chip, _, held, weight_stages = ops.plan("bwd", rows, cols, 4, True, 0, 2)
+            assert (cluster, sliced, on_chip, held, weight_stages) == (2, 0, 1, 1, stages)
+            by_stages[stages], launch = backward(x, dy)
+            assert _held(launch["kernel"]) == 1 and launch["grid"] == 2 and launch["dynamic_smem"] == smem
+            if stages == 3:
+                for r in (0, 5, rows - 1):
+                    alone, _ = backward(x[r : r + 1].clone(), dy[r : r + 1].clone())
+                    assert mask[0] is False or torch.equal(by_stages[3][0][r : r + 1], alone[0]), f"dx of row {r}"
+                if mask == (True, True, True):
+                    _check_against_torch("layer", x, weight, bias, dy)
+    for stages in (2, 0):
+        for ringed, unringed in zip(by_stages[3], by_stages[stages]):
+            assert (ringed is None and unringed is None) or torch.equal(ringed, unringed), f"{stages} stages"
 
 
 # The register backward's prefetch of its next tile (TilePrefetch): tiles of each shape the register kernels take.
@@ -1293,7 +1328,7 @@ def test_plan_shared_memory_is_the_launch(mode, shared, cluster):
     cols = 32768
     x, weight, bias, dy = _inputs(2, cols, torch.bfloat16, torch.bfloat16, (True, True))
     with _device(shared=shared, cluster=cluster):
-        *_, planned_cluster, smem, _, _, _, _ = ops.plan(mode, 2, cols, 2, True, 0, 2)
+        *_, planned_cluster, smem, _, _, _, _, _ = ops.plan(mode, 2, cols, 2, True, 0, 2)
         if mode == "fwd":
             _, launch = _forward_kernel("layer", x, weight, bias)
         else:
