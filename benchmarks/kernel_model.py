@@ -293,9 +293,12 @@ def traffic_coefficients(op, mode, D, M, dtype, plan, concurrent_blocks, fused=F
         regress = [lambda r, b: [1.0, r, b]] * 3
         full = [1.0, M, plan["blocks"]]
     kernels: dict[str, list] = {}
+    shared_per_sm = emulated_shared_per_sm(op, mode, plan, D, dtype.itemsize)
     for (rows, sms), reg in zip(runs, regress):
-        shared = emulated_shared_limit(op, mode, plan, D, dtype.itemsize)
-        log = emulate(op, mode, D, rows, dtype, (sms, threads, shared, H200.max_cluster_blocks), fused)
+        log = emulate(op, mode, D, rows, dtype, (sms, threads, None, H200.max_cluster_blocks, shared_per_sm), fused)
+        assert log[0]["block_threads"] == threads, (
+            f"emulated blocks of {log[0]['block_threads']} threads, planned {threads}"
+        )
         blocks = log[0]["grid"]
         for name, counters in _per_kernel(log).items():
             kernels.setdefault(name, []).append((reg(rows, blocks), counters))
@@ -381,6 +384,31 @@ def ring_stages(
     return 0, False
 
 
+def grown_for_ring(op: str, mode: str, plan: dict, D: int, elem: int, registers: int | None, static_smem: int) -> dict:
+    """The plan with the launchers' ring (ring_stages: "prefetch_stages", "ring_residual"), its forward rows a block
+    grown as forward_launch.h grows them: doubled, up to FORWARD_MAX_THREADS, where a wanted ring finds no room beside
+    each block's copy of the weight and bias, and the larger blocks keep as many threads an SM (registers None: the
+    emulated device's residency, by threads alone, under which no ring is refused and none grows)."""
+    stages, residual = ring_stages(op, mode, plan, D, elem, registers, static_smem)
+    if mode == "fwd" and registers is not None and stages == 0:
+
+        def threads_per_sm(p: dict) -> int:
+            smem = _ring_smem(op, mode, p, D, elem, 0) + static_smem
+            return kernel_resources.blocks_per_sm(registers, p["block_threads"], smem) * p["block_threads"]
+
+        grown = plan
+        while grown["block_threads"] * 2 <= FORWARD_MAX_THREADS:
+            grown = {
+                **grown,
+                "rows_per_block": grown["rows_per_block"] * 2,
+                "block_threads": grown["block_threads"] * 2,
+            }
+            grown_stages, grown_residual = ring_stages(op, mode, grown, D, elem, registers, static_smem)
+            if grown_stages and threads_per_sm(grown) >= threads_per_sm(plan):
+                return {**grown, "prefetch_stages": grown_stages, "ring_residual": grown_residual}
+    return {**plan, "prefetch_stages": stages, "ring_residual": residual}
+
+
 def launched_row_smem(
     op: str, mode: str, D: int, dtype: torch.dtype, plan: dict, registers: int, static_smem: int, fused: bool
 ) -> int:
@@ -398,17 +426,15 @@ def launched_row_smem(
     return emulate(op, mode, D, 16 * plan["rows_per_block"], dtype, device, fused)[0]["dynamic_smem"]
 
 
-def emulated_shared_limit(op: str, mode: str, plan: dict, D: int, elem: int) -> int | None:
-    """The emulated device's max_shared_per_block under which its launchers pick plan["prefetch_stages"] as the
-    H200's do: the traffic runs keep one block an SM (their (rows, blocks) points must stay apart for the fit), so
-    they cannot take the H200's residency (set_device's shared_per_sm), and a forward ring the H200 refuses for its
-    occupancy is refused here by room. None: the H200's own limit."""
-    stages, residual = plan.get("prefetch_stages", 0), plan.get("ring_residual", False)
-    if mode != "fwd" or not ring_instance(plan, elem) or (stages == 3 and residual == plan["residual"]):
+def emulated_shared_per_sm(op: str, mode: str, plan: dict, D: int, elem: int) -> int | None:
+    """The shared memory an SM of the emulated device counts in residency (set_device's shared_per_sm) so that its
+    forward launcher sizes the register kernel's block as the H200's does (rows a block, the weight's copy, the ring,
+    its stages and streams): the traffic runs keep one block an SM (their (rows, blocks) points must stay apart for
+    the fit), so they cannot take the H200's residency; room for exactly the plan's block refuses a larger ring, and
+    the blocks of other sizes that the H200 refuses. None elsewhere: residency by threads alone."""
+    if mode != "fwd" or plan["path"] != "registers":
         return None
-    # room for `stages` (2, or 3 of x alone) and not one more (nor a ring of both streams); room for no ring and not
-    # 2 stages of x
-    return _ring_smem(op, mode, plan, D, elem, stages or 2, residual) - (0 if stages else 1)
+    return row_kernel_smem(op, mode, plan, D, elem) + kernel_resources.RESERVED_SHARED_PER_BLOCK
 
 
 def row_kernel_smem(op: str, mode: str, plan: dict, D: int, elem: int) -> int:
@@ -433,6 +459,7 @@ SHARED_ROW_THREADS = 512  # kSharedRowThreads (csrc/cuda/launch_plan.h)
 FORWARD_SHARED_UNROLL = 8  # kSharedRowUnroll
 BACKWARD_SHARED_UNROLL = 4  # kBackwardSharedUnroll: x and dy, 8 vectors a thread in flight
 REREAD_VECTOR_BYTES = 16  # backward_reread_unroll: BACKWARD_SHARED_UNROLL where a vector as accumulated is <= this
+FORWARD_MAX_THREADS = 512  # kForwardBudget.max_threads: the forward register kernels' blocks at most
 PREFETCH_BYTES = 64  # kPrefetchBytes: the forward register kernels that hold the next row's loads (prefetches_next_row)
 
 
@@ -646,7 +673,7 @@ def check_structure(op: str, mode: str, dtype_name: str, D: int, fused: bool = F
     elem = DTYPES[dtype_name].itemsize
     M = case_rows(mode, D, elem)
     plan = plan_on_h200(op, mode, D, M, elem, 1, fused)
-    plan["prefetch_stages"], plan["ring_residual"] = ring_stages(op, mode, plan, D, elem, None, 0)
+    plan = grown_for_ring(op, mode, plan, D, elem, None, 0)
     ops().set_block_sample(8)
     try:
         traffic = traffic_coefficients(op, mode, D, M, DTYPES[dtype_name], plan, plan["blocks"], fused)
@@ -790,7 +817,7 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
     res = {n: res_all.get(n, {}) for n in names}
     registers = res[row_kernel].get("registers", 32)
     static_smem = res[row_kernel].get("static_smem", 0)
-    plan["prefetch_stages"], plan["ring_residual"] = ring_stages(op, mode, plan, D, elem, registers, static_smem)
+    plan = grown_for_ring(op, mode, plan, D, elem, registers, static_smem)
     smem = row_kernel_smem(op, mode, plan, D, elem) + static_smem
     per_sm = kernel_resources.blocks_per_sm(registers, plan["block_threads"], smem)
     # The model's mirror of the launchers' rules (the forward's weight copy, either ring) against the launchers on a
@@ -806,7 +833,8 @@ def _case_facts(op: str, mode: str, dtype_name: str, D: int, M: int, fused: bool
             f"{op} {mode} {dtype_name} D={D}: the launcher gives {launched} bytes, the model {smem - static_smem}"
         )
     if one_wave(mode, plan):  # one wave at the kernel's occupancy (limit_to_one_wave, limit_to_resident_clusters)
-        plan["blocks"] = plan_on_h200(op, mode, D, M, elem, per_sm)["blocks"]
+        # (the emulated plan() shares M's rows out at plan_rows' rows a block, before grown_for_ring)
+        plan["blocks"] = min(plan_on_h200(op, mode, D, M, elem, per_sm)["blocks"], -(-M // plan["rows_per_block"]))
     blocks = plan["blocks"]
     resident_blocks = min(blocks, H200.sms * per_sm)
     traffic = traffic_coefficients(op, mode, D, M, dtype, plan, resident_blocks, fused)

@@ -185,7 +185,7 @@ if wants bench; then
   pack
   # The predictions written before this run (CSV against CSV: no emulator, no ptxas, seconds).
   step "kernel model: measured against the predictions committed before the run (--score)"
-  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-weight-ring/predictions.csv \
+  timeout 90 python3 benchmarks/kernel_model.py --score benchmarks/results/2026-12-07-kernel-model-grown-rows/predictions.csv \
     "$WORK"/bench/*_cuda.csv > "$WORK/model_vs_measured.txt" 2> "$WORK/model.log"
   note "kernel model exit: $?"
   pack
@@ -233,8 +233,12 @@ if wants ab; then
     # The weight of the held-sums instance holding LayerNorm's weight sums alone: through its ring (main, bulk_main
     # above; float32 D=262144) or read from global memory as used (bfloat16 takes neither: a control).
     ab weight_ring_none 20 "262144" "bwd" TLN_X_NO_WEIGHT_RING=1
-    # The forward's register rows in blocks of 512 threads (one weight copy an SM, a ring beside it; the kernel model's
-    # LayerNorm float32 D=4096 76.7 -> 99.6 %), and the ring without the copy (main: ring_main above).
+    # The forward's register rows in plan_rows' blocks, not doubled where a wanted ring finds no room beside each
+    # block's weight copy (main, ring_main and add_ring_main above: float32 D=4096 in 2 blocks of 256 threads with 2
+    # stages, where these run 4 of 128 with no ring); in blocks of 512 threads everywhere (one weight copy an SM, a
+    # ring beside it); and the ring without the copy.
+    ab rows_no_grow 30 "4096 8192" "fwd" TLN_X_NO_GROW=1
+    ab_add add_rows_no_grow 20 "4096" TLN_X_NO_GROW=1
     ab rows_512 40 "512 4096 8192" "fwd" TLN_X_ROWS_BLOCK_THREADS=512
     ab stage_none 40 "4096 8192" "fwd" TLN_X_NO_STAGE=1
   fi

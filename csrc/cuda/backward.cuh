@@ -625,7 +625,7 @@ struct WeightRing {
   // The next use's weight: the copy stages - 1 uses ahead into the stage the last use read, then this use's wait.
   template <typename acc_t>
   TLN_DEVICE void next(acc_t (&w)[VEC]) {
-    copy(stage == 0 ? stages - 1 : stage - 1);
+    copy(previous_stage(stage, stages));
     ring_turn(stages);
     ring.load(stage, 0, w);
     stage = next_stage(stage, stages);

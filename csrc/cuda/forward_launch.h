@@ -77,10 +77,9 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
             : forward_shared_row_space<acc_t, R, W>(
                   p.weight != nullptr, p.bias != nullptr,
                   bulk_stages(limits.max_cluster_blocks, p.residual == nullptr && vec_ok), limits);
-  RowPlan plan =
-      plan_rows(k.rows, k.cols, sizeof(T), vec_ok,
-                gated ? ForwardKernels<T, W, acc_t, R, false, true>::budget : ForwardKernels<T, W, acc_t, R>::budget,
-                shared_space);
+  const RegisterBudget budget =
+      gated ? ForwardKernels<T, W, acc_t, R, false, true>::budget : ForwardKernels<T, W, acc_t, R>::budget;
+  RowPlan plan = plan_rows(k.rows, k.cols, sizeof(T), vec_ok, budget, shared_space);
   p.threads_per_row = plan.threads_per_row;
   p.bulk_stages = bulk_loads(plan, shared_space, true);
   p.cluster_blocks = plan.cluster_blocks;
@@ -112,37 +111,72 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
     }
     size_t smem = scratch;
     if (!plan.multipass()) {  // one wave of blocks, each walking many rows (the multi-pass kernel: a block a row)
-      const int threads = plan.block_threads();
-      const int blocks_per_sm = dev::resident_blocks_per_sm(kernel, threads, scratch, limits);
-      // The weight and bias from a copy in shared memory, made once per block, where the device has room for it
-      // without fewer blocks resident than the registers allow (every D on sm_90; not on GPUs with less).
-      if (staged > 0 && scratch + staged <= limits.max_shared_per_block) {
-        dev::allow_dynamic_shared(kernel, scratch + staged, limits.max_shared_per_block);
-        p.staged_params = dev::resident_blocks_per_sm(kernel, threads, scratch + staged, limits) == blocks_per_sm;
-        if (p.staged_params) smem += staged;
-      }
-      // The prefetch ring after that (RowPrefetch: per stage, each thread's vectors of x, and of the residual), where
-      // it is wanted and the device has room for it without fewer blocks resident; with a residual add, of x's
-      // vectors alone where there is no room for both and a ring of x is wanted.
-      const size_t stage_elems = static_cast<size_t>(threads) * plan.items * plan.vec;  // of each stream
-      for (const bool with_residual : {true, false}) {
-        if ((with_residual && p.residual == nullptr) || !ring_prefetches(plan.vec, sizeof(acc_t), gated) ||
-            !forward_ring_wanted(plan.items * plan.vec * sizeof(T), plan.threads_per_row, with_residual)) {
-          continue;
+      // The block's residency and shared memory at `at`'s rows a block. The weight and bias from a copy in shared
+      // memory, made once per block, where the device has room for it without fewer blocks resident than the
+      // registers allow (every D on sm_90; not on GPUs with less). The prefetch ring after that (RowPrefetch: per
+      // stage, each thread's vectors of x, and of the residual), where it is wanted and the device has room for it
+      // without fewer blocks resident; with a residual add, of x's vectors alone where there is no room for both and
+      // a ring of x is wanted.
+      struct BlockSetup {
+        int blocks_per_sm;
+        bool staged_params = false;
+        RingPlacement ring{};
+        bool ring_residual = false;
+        size_t smem;
+      };
+      const auto set_up = [&](const RowPlan& at) {
+        const int threads = at.block_threads();
+        const size_t block_scratch = at.smem_bytes<acc_t>();
+        BlockSetup s{.blocks_per_sm = dev::resident_blocks_per_sm(kernel, threads, block_scratch, limits),
+                     .smem = block_scratch};
+        if (staged > 0 && block_scratch + staged <= limits.max_shared_per_block) {
+          dev::allow_dynamic_shared(kernel, block_scratch + staged, limits.max_shared_per_block);
+          s.staged_params =
+              dev::resident_blocks_per_sm(kernel, threads, block_scratch + staged, limits) == s.blocks_per_sm;
+          if (s.staged_params) s.smem += staged;
         }
-        const RingPlacement ring =
-            place_ring(smem, stage_elems * (sizeof(T) + (with_residual ? sizeof(R) : 0)), limits, [&](size_t total) {
-              dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
-              return dev::resident_blocks_per_sm(kernel, threads, total, limits) == blocks_per_sm;
-            });
-        if (ring.stages == 0) continue;
-        p.prefetch_stages = ring.stages;
-        p.prefetch_offset = ring.offset;
-        p.prefetch_residual = with_residual;
-        smem = ring.total;
-        break;
+        const size_t stage_elems = static_cast<size_t>(threads) * at.items * at.vec;  // of each stream
+        for (const bool with_residual : {true, false}) {
+          if ((with_residual && p.residual == nullptr) || !ring_prefetches(at.vec, sizeof(acc_t), gated) ||
+              !forward_ring_wanted(at.items * at.vec * sizeof(T), at.threads_per_row, with_residual)) {
+            continue;
+          }
+          s.ring = place_ring(s.smem, stage_elems * (sizeof(T) + (with_residual ? sizeof(R) : 0)), limits,
+                              [&](size_t total) {
+                                dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
+                                return dev::resident_blocks_per_sm(kernel, threads, total, limits) == s.blocks_per_sm;
+                              });
+          if (s.ring.stages == 0) continue;
+          s.ring_residual = with_residual;
+          s.smem = s.ring.total;
+          break;
+        }
+        return s;
+      };
+      BlockSetup setup = set_up(plan);
+      // Rows a block doubled, up to the kernel's threads, where a wanted ring finds no room beside each block's copy
+      // of the weight and bias, and the larger blocks keep as many threads an SM: fewer copies an SM, and the room
+      // for a ring (float32 LayerNorm D=4096: 4 blocks of 128 threads copy 4 x 32 KiB and hold no ring; 2 blocks of
+      // 256 hold 2 stages). A function of D, dtype and the device, as the plan is; each row's result is unchanged.
+      const bool ring_wanted =
+          ring_prefetches(plan.vec, sizeof(acc_t), gated) &&
+          forward_ring_wanted(plan.items * plan.vec * sizeof(T), plan.threads_per_row, p.residual != nullptr);
+      for (RowPlan grown = plan;
+           ring_wanted && setup.ring.stages == 0 && grown.block_threads() * 2 <= budget.max_threads;) {
+        share_blocks(grown, k.rows, grown.rows_per_block * 2);
+        const BlockSetup tried = set_up(grown);
+        if (tried.ring.stages > 0 &&
+            tried.blocks_per_sm * grown.block_threads() >= setup.blocks_per_sm * plan.block_threads()) {
+          plan = grown;
+          setup = tried;
+        }
       }
-      limit_to_one_wave(plan, limits, blocks_per_sm);
+      p.staged_params = setup.staged_params;
+      p.prefetch_stages = setup.ring.stages;
+      p.prefetch_offset = setup.ring.offset;
+      p.prefetch_residual = setup.ring_residual;
+      smem = setup.smem;
+      limit_to_one_wave(plan, limits, setup.blocks_per_sm);
     }
     group_units(plan, a.rows, k.groups);
     dev::launch(kernel, grid_of(plan), block_of(plan), smem, stream, p);

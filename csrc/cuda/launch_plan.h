@@ -278,6 +278,12 @@ inline int shared_row_cluster(int64_t nvec, int vec, const SharedRowSpace& s, bo
   return 0;
 }
 
+// `rows` rows a block, and the blocks M rows take.
+inline void share_blocks(RowPlan& p, int64_t M, int rows) {
+  p.rows_per_block = rows;
+  p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));
+}
+
 // Plans the row kernels for M rows of D elements of `elem_bytes` each.
 // `vectorizable`: every pointer involved is 16-byte aligned and each row starts
 // 16-byte aligned (D * elem_bytes % 16 == 0); otherwise the scalar path runs.
@@ -321,8 +327,7 @@ inline RowPlan plan_rows(int64_t M, int64_t D, int elem_bytes, bool vectorizable
     p.slice_vectors = p.shared_row() ? ceil_div(nvec, p.cluster_blocks) : 0;
     p.held = p.shared_row() ? shared.held(p.slice_vectors, p.vec, p.row_on_chip) : 0;
   }
-  p.rows_per_block = std::max(1, budget.rows_block_threads / p.threads_per_row);
-  p.blocks = std::max<int64_t>(1, std::min(ceil_div(M, p.rows_per_block), int64_t{1} << 30));
+  share_blocks(p, M, std::max(1, budget.rows_block_threads / p.threads_per_row));
   return p;
 }
 

@@ -104,6 +104,9 @@ TLN_DEVICE void ring_turn(int stages) {
 // The stage after `stage` in a ring of `stages`.
 TLN_DEVICE int next_stage(int stage, int stages) { return stage + 1 == stages ? 0 : stage + 1; }
 
+// The stage before `stage` in a ring of `stages`: the one the last use read, which the next copy refills.
+TLN_DEVICE int previous_stage(int stage, int stages) { return stage == 0 ? stages - 1 : stage - 1; }
+
 // A register kernel's walk of its prefetch ring over its tiles (first_tile, first_tile + tile_step, ... below
 // batch_rows), stages - 1 tiles ahead, one commit group a tile. copy_tile(ring, p, walk, layout, tile, batch_rows,
 // stage), beside each kernel, copies a thread's row of a tile into a stage (nothing past the last row).
@@ -133,7 +136,7 @@ struct RingWalk {
   // At `tile`, in `stage`: the copies of the tile stages - 1 ahead into the stage before this one (an empty group
   // past the last tile), then this tile's wait.
   TLN_DEVICE void turn(int64_t tile, int stage) const {
-    copy_tile(ring, p, walk, layout, tile + (stages - 1) * tile_step, batch_rows, (stage + stages - 1) % stages);
+    copy_tile(ring, p, walk, layout, tile + (stages - 1) * tile_step, batch_rows, previous_stage(stage, stages));
     ring_turn(stages);
   }
 };

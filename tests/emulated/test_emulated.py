@@ -1290,6 +1290,50 @@ def test_forward_shared_memory_keeps_residency(kind, holds):
     _check_forward(kind, x, weight, bias, y)
 
 
+# The forward launcher's larger blocks for a ring (forward_launch.h): float32 LayerNorm D=4096, whose blocks of 128
+# threads (4 an SM by registers on an sm_90) each copy the weight and bias (32 KB) and leave no room for a ring.
+# case: (an SM's threads, its shared memory from the bytes a block of 256 threads with 2 stages takes (1 KB reserve
+# included); the block's threads and ring stages launched).
+FORWARD_GROWN_CASES = {
+    # an sm_90's 228 KB: 2 blocks of 256 threads (2 rows each) keep the SM's threads and hold 2 stages each
+    "256 threads": (512, lambda grown: 228 * 1024, 256, 2),
+    # a byte short of 2 such blocks: 256 threads hold no ring; one block of 512 holds 2 stages
+    "512 threads": (512, lambda grown: 2 * grown - 1, 512, 2),
+    # 3 blocks of 128 an SM: one of 256 would hold 3 stages but keep fewer threads, one of 512 exceeds its threads
+    "fewer threads": (384, lambda grown: 150000, 128, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_GROWN_CASES))
+@pytest.mark.parametrize("residual", [False, True])
+def test_forward_rows_grow_for_ring(case, residual):
+    # The fused add's ring holds x alone at every size here (no room for both streams). Every output bitwise as with
+    # blocks of 128 threads and room for their ring, within the accuracy rule.
+    dtype, cols = torch.float32, 4096
+    vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
+    assert threads_per_row * rows_per_block == 128
+    sm_threads, shared_per_sm, threads, stages = FORWARD_GROWN_CASES[case]
+
+    def launched(threads, stages):  # the block's shared memory: row sums, the weight and bias copy, a ring of x
+        rest = _row_sums_bytes(threads_per_row, threads) + 2 * cols * dtype.itemsize
+        return -(-rest // 16) * 16 + stages * threads * items * vec * dtype.itemsize
+
+    rows = 3 * 4 * rows_per_block + 1
+    x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (True, True))
+    extra = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)), dtype) if residual else ()
+    with _device(sms=1, threads=sm_threads, shared_per_sm=shared_per_sm(launched(256, 2) + 1024)):
+        outputs, launch = _forward_kernel("layer", x, weight, bias, *extra)
+    with _device(sms=1, threads=sm_threads):  # room for 3 stages of both streams at 128 threads
+        roomy, roomy_launch = _forward_kernel("layer", x, weight, bias, *extra)
+    assert roomy_launch["block_threads"] == 128
+    assert launch["block_threads"] == threads and launch["dynamic_smem"] == launched(threads, stages)
+    assert launch["grid"] == sm_threads // threads
+    for o, r in zip(outputs, roomy):
+        assert torch.equal(o, r)
+    if not residual:
+        _check_forward("layer", x, weight, bias, outputs[0])
+
+
 def test_shared_memory_bounds_the_grid():
     # The register grid: one wave of the blocks each SM keeps, here 2 by shared memory (the row sums' room and the
     # reserve; no room for the weight's copy or a ring then) though 16 by threads.
