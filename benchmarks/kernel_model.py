@@ -353,6 +353,14 @@ def _ring_smem(op: str, mode: str, plan: dict, D: int, elem: int, stages: int, r
     return -(-smem // 16) * 16 + stages * prefetch_stage_bytes(mode, plan, elem, residual) if stages else smem
 
 
+def blocks_without_ring(op: str, mode: str, plan: dict, D: int, elem: int, registers: int, static_smem: int) -> int:
+    """The blocks an SM holds of a register kernel without its ring: by registers, threads and its other shared
+    memory (the forward's weight copy)."""
+    return kernel_resources.blocks_per_sm(
+        registers, plan["block_threads"], _ring_smem(op, mode, plan, D, elem, 0) + static_smem
+    )
+
+
 def ring_stages(
     op: str, mode: str, plan: dict, D: int, elem: int, registers: int | None, static_smem: int
 ) -> tuple[int, bool]:
@@ -368,9 +376,7 @@ def ring_stages(
     # rule and the emulated device's residency).
     threads, resident = plan["block_threads"], None
     if mode == "fwd" and registers is not None:
-        resident = kernel_resources.blocks_per_sm(
-            registers, threads, _ring_smem(op, mode, plan, D, elem, 0) + static_smem
-        )
+        resident = blocks_without_ring(op, mode, plan, D, elem, registers, static_smem)
     register_prefetch = plan["items"] * plan["vec"] * elem <= PREFETCH_BYTES and plan["threads_per_row"] > 32
     for residual in (True, False) if mode == "fwd" and plan["residual"] else (False,):
         if mode == "fwd" and register_prefetch and not residual:
@@ -393,8 +399,7 @@ def grown_for_ring(op: str, mode: str, plan: dict, D: int, elem: int, registers:
     if mode == "fwd" and registers is not None and stages == 0:
 
         def threads_per_sm(p: dict) -> int:
-            smem = _ring_smem(op, mode, p, D, elem, 0) + static_smem
-            return kernel_resources.blocks_per_sm(registers, p["block_threads"], smem) * p["block_threads"]
+            return blocks_without_ring(op, mode, p, D, elem, registers, static_smem) * p["block_threads"]
 
         grown = plan
         while grown["block_threads"] * 2 <= FORWARD_MAX_THREADS:

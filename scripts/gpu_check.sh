@@ -29,7 +29,8 @@
 # No phase named: build tests sanitizer bench cpp, cpp last (it builds an AOTInductor package: minutes).
 # Phase `ab` (named only, after bench; carry gpu_build_experiment too): torch_ln's forward and backward under each A/B
 # switch of scripts/experiment_overrides.diff (the prefetch rings' stages, the bulk loads, the held sums and the
-# backward's weight ring, the forward's rows a block, its weight copy), ~6 min at most.
+# backward's weight ring, the forward's rows a block, its weight copy, the fused add's ring of both streams in one
+# block an SM), ~6 min (9 at most).
 # The profiling kit (../shared/gpu-perf, until the kernels reach bandwidth) times its TLN_X_* variants on a build with
 # scripts/experiment_overrides.diff (its own diff no longer applies to these kernels; tests/test_gpu_scripts.py checks
 # that this one does): make it here as well,
@@ -241,6 +242,9 @@ if wants ab; then
     ab_add add_rows_no_grow 20 "4096" TLN_X_NO_GROW=1
     ab rows_512 40 "512 4096 8192" "fwd" TLN_X_ROWS_BLOCK_THREADS=512
     ab stage_none 40 "4096 8192" "fwd" TLN_X_NO_STAGE=1
+    # The fused add float32 D=4096 in one block of 256 threads an SM with 3 stages of both x and the residual, against
+    # main's 2 blocks with 2 stages of x alone (add_ring_main above): half the warps, more bytes in flight.
+    ab_add add_one_block_both_streams 20 "4096" TLN_X_ROWS_BLOCK_THREADS=256 TLN_X_RING_FEWER_BLOCKS=1
   fi
   pack
 fi

@@ -44,6 +44,7 @@ struct CudaLaunchContext {
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     limits = {props->multiProcessorCount, props->maxThreadsPerMultiProcessor, props->sharedMemPerBlockOptin,
               largest_cluster(*props), props->sharedMemPerMultiprocessor};
+    limits.device = c10::cuda::current_device();
     stream = at::cuda::getCurrentCUDAStream();
   }
 

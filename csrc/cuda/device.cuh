@@ -525,6 +525,7 @@ T mul_rn(T a, T b) {  // host builds compile with -ffp-contract=off
 // sets it, its shared memory per SM (each block's own and the hardware's reserve).
 template <typename... Params>
 int resident_blocks_per_sm(void (*)(Params...), int threads, size_t smem_bytes, const DeviceLimits& device) {
+  emu::count_occupancy_query();
   const int by_threads = device.max_threads_per_sm / threads;
   if (device.shared_per_sm == 0) return by_threads;
   return std::min(by_threads, static_cast<int>(device.shared_per_sm / (smem_bytes + kReservedSharedPerBlock)));

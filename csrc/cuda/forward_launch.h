@@ -1,6 +1,9 @@
 // Host side of the forward kernels: plan, pick the template instance, launch.
 #pragma once
 
+#include <tuple>
+#include <utility>
+
 #include "forward.cuh"
 #include "launch_common.h"
 
@@ -120,6 +123,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
       struct BlockSetup {
         int blocks_per_sm;
         bool staged_params = false;
+        bool ring_wanted = false;  // a ring of some stream is wanted, whether or not it found room
         RingPlacement ring{};
         bool ring_residual = false;
         size_t smem;
@@ -141,6 +145,7 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
               !forward_ring_wanted(at.items * at.vec * sizeof(T), at.threads_per_row, with_residual)) {
             continue;
           }
+          s.ring_wanted = true;
           s.ring = place_ring(s.smem, stage_elems * (sizeof(T) + (with_residual ? sizeof(R) : 0)), limits,
                               [&](size_t total) {
                                 dev::allow_dynamic_shared(kernel, total, limits.max_shared_per_block);
@@ -153,24 +158,30 @@ void launch_forward_typed(NormKind kind, const ForwardArgs& a, const DeviceLimit
         }
         return s;
       };
-      BlockSetup setup = set_up(plan);
-      // Rows a block doubled, up to the kernel's threads, where a wanted ring finds no room beside each block's copy
-      // of the weight and bias, and the larger blocks keep as many threads an SM: fewer copies an SM, and the room
-      // for a ring (float32 LayerNorm D=4096: 4 blocks of 128 threads copy 4 x 32 KiB and hold no ring; 2 blocks of
-      // 256 hold 2 stages). A function of D, dtype and the device, as the plan is; each row's result is unchanged.
-      const bool ring_wanted =
-          ring_prefetches(plan.vec, sizeof(acc_t), gated) &&
-          forward_ring_wanted(plan.items * plan.vec * sizeof(T), plan.threads_per_row, p.residual != nullptr);
-      for (RowPlan grown = plan;
-           ring_wanted && setup.ring.stages == 0 && grown.block_threads() * 2 <= budget.max_threads;) {
-        share_blocks(grown, k.rows, grown.rows_per_block * 2);
-        const BlockSetup tried = set_up(grown);
-        if (tried.ring.stages > 0 &&
-            tried.blocks_per_sm * grown.block_threads() >= setup.blocks_per_sm * plan.block_threads()) {
-          plan = grown;
-          setup = tried;
+      // Remembered per kernel, plan and device (remembered: the occupancy queries cost microseconds a launch). Rows
+      // a block doubled, up to the kernel's threads, where a wanted ring finds no room beside each block's copy of
+      // the weight and bias, and the larger blocks keep as many threads an SM: fewer copies an SM, and the room for a
+      // ring (float32 LayerNorm D=4096: 4 blocks of 128 threads copy 4 x 32 KiB and hold no ring; 2 blocks of 256
+      // hold 2 stages). A function of D, dtype and the device, as the plan is; each row's result is unchanged.
+      const auto key =
+          std::make_tuple(reinterpret_cast<const void*>(kernel), plan.vec, plan.items, plan.threads_per_row,
+                          plan.rows_per_block, staged, p.residual != nullptr, limits.fields());
+      const auto [rows_per_block, setup] = remembered(key, [&] {
+        int rows = plan.rows_per_block;
+        BlockSetup best = set_up(plan);
+        for (RowPlan grown = plan;
+             best.ring_wanted && best.ring.stages == 0 && grown.block_threads() * 2 <= budget.max_threads;) {
+          share_blocks(grown, k.rows, grown.rows_per_block * 2);
+          const BlockSetup tried = set_up(grown);
+          if (tried.ring.stages > 0 &&
+              tried.blocks_per_sm * grown.block_threads() >= best.blocks_per_sm * plan.block_threads()) {
+            rows = grown.rows_per_block;
+            best = tried;
+          }
         }
-      }
+        return std::make_pair(rows, best);
+      });
+      share_blocks(plan, k.rows, rows_per_block);
       p.staged_params = setup.staged_params;
       p.prefetch_stages = setup.ring.stages;
       p.prefetch_offset = setup.ring.offset;

@@ -7,6 +7,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "../dispatch.h"
@@ -15,6 +18,24 @@
 #include "launch_plan.h"
 
 namespace torch_ln {
+
+// `ask()`'s answer for `key`, asked once a process: for launch set-ups that ask the occupancy API, a driver query of
+// about a microsecond of host time, which the forward asks up to a dozen times to size a block (float32 D=4096), more
+// than a decode step's few rows take on the GPU. The key holds all the answer depends on: the kernel, its plan and
+// the device (DeviceLimits::fields). One store per call site (`Ask` is its lambda); safe across threads.
+template <typename Key, typename Ask>
+auto remembered(const Key& key, Ask ask) {
+  using Answer = decltype(ask());
+  static std::mutex lock;
+  static std::map<Key, Answer> answers;
+  {
+    const std::lock_guard<std::mutex> hold(lock);
+    if (const auto found = answers.find(key); found != answers.end()) return found->second;
+  }
+  const Answer answer = ask();  // outside the lock: the occupancy API may take a while
+  const std::lock_guard<std::mutex> hold(lock);
+  return answers.emplace(key, answer).first->second;
+}
 
 inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -161,10 +182,13 @@ template <typename Kernel>
 void size_cluster_grid(Kernel kernel, RowPlan& plan, int64_t units, size_t smem, const DeviceLimits& limits,
                        int cluster) {
   const int threads = plan.block_threads();
-  dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);
-  const int64_t resident =
-      cluster == 1 ? int64_t{limits.num_sms} * std::max(1, dev::resident_blocks_per_sm(kernel, threads, smem, limits))
-                   : dev::resident_clusters(kernel, cluster, threads, smem, limits);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, cluster, limits.fields());
+  const int64_t resident = remembered(key, [&] {
+    dev::allow_dynamic_shared(kernel, smem, limits.max_shared_per_block);  // set once a device: it lasts
+    return cluster == 1
+               ? int64_t{limits.num_sms} * std::max(1, dev::resident_blocks_per_sm(kernel, threads, smem, limits))
+               : dev::resident_clusters(kernel, cluster, threads, smem, limits);
+  });
   limit_to_resident_clusters(plan, units, resident, cluster);
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 
 namespace torch_ln {
 
@@ -18,6 +19,13 @@ struct DeviceLimits {
   // Shared memory an SM holds for its resident blocks (0: not counted). On a GPU the occupancy API counts it; the
   // emulated device counts it in residency only where a test or the kernel model sets it.
   size_t shared_per_sm = 0;
+  int device = 0;  // its index (one emulated device): launch set-ups are remembered per device
+
+  // Every field: what a remembered launch set-up depends on of the device (remembered, launch_common.h).
+  auto fields() const {
+    return std::make_tuple(num_sms, max_threads_per_sm, max_shared_per_block, max_cluster_blocks, shared_per_sm,
+                           device);
+  }
 };
 
 // Shared memory the hardware reserves for each resident block beside its own (sm_80 and later: 1 KB).

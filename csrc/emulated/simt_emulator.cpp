@@ -10,6 +10,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -256,6 +257,7 @@ size_t region_of(uintptr_t address) {
 }
 
 bool counting = false;         // set between launches, under launch_mutex
+std::atomic<uint64_t> occupancy_queries{0};  // since the last launch (count_occupancy_query)
 double model_l2_bytes = 50e6;  // H200: 60 MB of L2, about 50 MB usable by one stream
 int64_t model_concurrent_blocks = 0;
 unsigned block_sample = 0;  // 0: run every block
@@ -376,7 +378,8 @@ std::string regions_json(const LaunchTraffic& t, double scale) {
 }
 
 std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, Dim3 block, size_t smem,
-                        unsigned cluster, bool dependent, int64_t concurrent_blocks, double scale) {
+                        unsigned cluster, bool dependent, int64_t concurrent_blocks, double scale,
+                        uint64_t occupancy_queries) {
   std::string name = "?";
   Dl_info info;
   if (dladdr(kernel, &info) != 0 && info.dli_sname != nullptr) name = info.dli_sname;
@@ -395,7 +398,8 @@ std::string json_launch(const LaunchTraffic& t, const void* kernel, Dim3 grid, D
   const std::string shape = ",\"grid\":" + std::to_string(uint64_t{grid.x} * grid.y * grid.z) +
                             ",\"block_threads\":" + std::to_string(uint64_t{block.x} * block.y * block.z) +
                             ",\"dynamic_smem\":" + std::to_string(smem) + ",\"cluster\":" + std::to_string(cluster) +
-                            ",\"dependent\":" + (dependent ? "true" : "false");
+                            ",\"dependent\":" + (dependent ? "true" : "false") +
+                            ",\"occupancy_queries\":" + std::to_string(occupancy_queries);
   return std::string("{\"kernel\":\"") + name + "\"" + shape + field("load_bytes", t.load_bytes) +
          field("store_bytes", t.store_bytes) + field("load_requests", t.load_requests) +
          field("store_requests", t.store_requests) + field("coalesced_bytes", t.coalesced_bytes) +
@@ -892,6 +896,8 @@ void copy_async_wait(unsigned pending, Site site) {
   copies.closed.erase(copies.closed.begin(), copies.closed.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
+void count_occupancy_query() { occupancy_queries.fetch_add(1, std::memory_order_relaxed); }
+
 void set_counting(bool on) {
   const std::lock_guard<std::mutex> serialize(launch_mutex);
   counting = on;
@@ -948,6 +954,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
                                 std::to_string(grid.x) + ", cluster " + std::to_string(cluster));
   }
   const std::lock_guard<std::mutex> serialize(launch_mutex);
+  const uint64_t queries = occupancy_queries.exchange(0, std::memory_order_relaxed);
   ClusterState state(cluster, threads, dynamic_smem_bytes);
   const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
   const int64_t concurrent_blocks =
@@ -1013,7 +1020,7 @@ void launch(Dim3 grid, Dim3 block, size_t dynamic_smem_bytes, const void* kernel
   }
   if (counting)
     launch_log.push_back(json_launch(traffic, kernel, grid, block, dynamic_smem_bytes, cluster, dependent,
-                                     concurrent_blocks, static_cast<double>(grid.x) / sampled_x));
+                                     concurrent_blocks, static_cast<double>(grid.x) / sampled_x, queries));
 }
 
 }  // namespace torch_ln::emu

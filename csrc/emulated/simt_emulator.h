@@ -129,6 +129,11 @@ void record_access(Space space, const void* address, size_t bytes, bool store, S
 // checked against the others of its launch, and a launch with a race throws, naming it (simt_emulator.cpp).
 bool racecheck_enabled();
 
+// The emulated occupancy API's queries (dev::resident_blocks_per_sm): each launch's record ("occupancy_queries") has
+// those asked since the launch before it, what a GPU's host would have paid for (the launchers remember their
+// answers: launch_common.h's remembered).
+void count_occupancy_query();
+
 // Counting is off unless switched on (the kernel model and the traffic tests):
 // the other emulated runs pay nothing for it.
 void set_counting(bool on);

@@ -1227,6 +1227,12 @@ def _row_sums_bytes(threads_per_row, threads):
     return 2 * 4 * (threads // 32) if threads_per_row > 32 else 0
 
 
+def _forward_ring_at(threads_per_row, threads, params, cols, itemsize):
+    """Where the forward register kernel's ring starts: after the row sums and the copy of its `params` parameter
+    vectors (weight, bias), rounded up to 16 bytes."""
+    return -(-(_row_sums_bytes(threads_per_row, threads) + params * cols * itemsize) // 16) * 16
+
+
 @pytest.mark.parametrize(
     "dtype,cols,ring",
     [
@@ -1265,9 +1271,10 @@ def test_forward_shared_memory_keeps_residency(kind, holds):
     vec, items, threads_per_row, rows_per_block, *_ = ops.plan("fwd", 1, cols, dtype.itemsize, True, 0, 2)
     threads = threads_per_row * rows_per_block
     scratch = _row_sums_bytes(threads_per_row, threads)
-    copy = (2 if kind == "layer" else 1) * cols * dtype.itemsize
+    params = 2 if kind == "layer" else 1
+    copy = params * cols * dtype.itemsize
     stage = threads * items * vec * dtype.itemsize
-    ring_at = -(-(scratch + copy) // 16) * 16
+    ring_at = _forward_ring_at(threads_per_row, threads, params, cols, dtype.itemsize)
     launched = {
         "copy and 3 stages": ring_at + 3 * stage,
         "copy and 2 stages": ring_at + 2 * stage,
@@ -1315,8 +1322,8 @@ def test_forward_rows_grow_for_ring(case, residual):
     sm_threads, shared_per_sm, threads, stages = FORWARD_GROWN_CASES[case]
 
     def launched(threads, stages):  # the block's shared memory: row sums, the weight and bias copy, a ring of x
-        rest = _row_sums_bytes(threads_per_row, threads) + 2 * cols * dtype.itemsize
-        return -(-rest // 16) * 16 + stages * threads * items * vec * dtype.itemsize
+        ring_at = _forward_ring_at(threads_per_row, threads, 2, cols, dtype.itemsize)
+        return ring_at + stages * threads * items * vec * dtype.itemsize
 
     rows = 3 * 4 * rows_per_block + 1
     x, weight, bias, _ = _inputs(rows, cols, dtype, dtype, (True, True))
@@ -1332,6 +1339,57 @@ def test_forward_rows_grow_for_ring(case, residual):
         assert torch.equal(o, r)
     if not residual:
         _check_forward("layer", x, weight, bias, outputs[0])
+
+
+# Regression test (host cost a launch): the launchers asked the occupancy API (a driver query of about a microsecond
+# on a GPU) at every launch, up to a dozen times for float32 D=4096's grown blocks, more than a decode step's few rows
+# take. They now remember each answer per kernel, plan and device (remembered, launch_common.h). case: kind, D, the
+# fused add, the backward, and what the launch takes there: register rows, the grown blocks (float32 D=4096 on an
+# SM of 512 threads and an sm_90's 228 KB, as test_forward_rows_grow_for_ring's), the shared-memory forward's
+# clusters (D=16392 float32, too long for registers) and the backward's grid.
+REMEMBERED_CASES = {
+    "register rows": ("rms", 1024, False, False),
+    "grown rows": ("layer", 4096, False, False),
+    "fused add": ("layer", 4096, True, False),
+    "shared row": ("layer", 16392, False, False),
+    "backward": ("layer", 1024, False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(REMEMBERED_CASES))
+def test_launch_set_up_is_remembered(case):
+    kind, cols, fused, backward = REMEMBERED_CASES[case]
+    index = list(REMEMBERED_CASES).index(case)
+
+    def launch(rows):  # the row kernel's launch record, its outputs checked
+        x, weight, bias, dy = _inputs(rows, cols, torch.float32, torch.float32, (True, kind == "layer"))
+        bias = bias if kind == "layer" else None
+        if backward:
+            return _backward_kernel(kind, x, weight, bias, dy)[1]
+        extra = (x.flip(0), torch.float32) if fused else ()
+        outputs, launched = _forward_kernel(kind, x, weight, bias, *extra)
+        if not fused:
+            _check_forward(kind, x, weight, bias, outputs[0])
+        return launched
+
+    # A device no other test takes (its SMs: 7 and up), so that its first launch has nothing remembered.
+    device = {"sms": 7 + index, "threads": 512, "shared_per_sm": 228 * 1024}
+    with _device(**device):
+        # A set-up is a function of D, dtype and the device, not of the rows: 64 and 96 fill the backward's partial
+        # clusters (partial_cluster_blocks: 8 blocks where the rows fill them), which fewer rows would shrink.
+        first, again = launch(64), launch(96)
+    with _device(**{**device, "shared_per_sm": None}):  # another device: asked again
+        other = launch(64)
+    assert first["occupancy_queries"] > 0 and other["occupancy_queries"] > 0
+    assert again["occupancy_queries"] == 0
+    assert (again["kernel"], again["block_threads"], again["dynamic_smem"], again["cluster"]) == (
+        first["kernel"],
+        first["block_threads"],
+        first["dynamic_smem"],
+        first["cluster"],
+    )
+    if case == "grown rows":
+        assert first["block_threads"] == 256
 
 
 def test_shared_memory_bounds_the_grid():
